@@ -1,0 +1,60 @@
+"""mmcache: decode an image folder once into a memory-mapped cache, and train from it.
+
+Example:
+    >>> import mmcache
+    >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
+    >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP
+
+The format, build and decode parts import without torch; ``MemmapImageDataset`` imports torch
+when first used.
+"""
+
+from ._version import __version__
+from .build import BuildReport, build_cache
+from .decode import Options, decode_image
+from .errors import (
+    CacheError,
+    CacheFormatError,
+    CacheNotFoundError,
+    CacheStaleError,
+    DecodeError,
+    DestinationError,
+    InsufficientSpaceError,
+    NotACacheError,
+    SourceError,
+    StaleCacheWarning,
+    StrictBuildError,
+)
+from .scan import scan_source
+
+__all__ = [
+    "__version__",
+    "BuildReport",
+    "CacheError",
+    "CacheFormatError",
+    "CacheNotFoundError",
+    "CacheStaleError",
+    "DecodeError",
+    "DestinationError",
+    "InsufficientSpaceError",
+    "MemmapImageDataset",
+    "NotACacheError",
+    "Options",
+    "SourceError",
+    "StaleCacheWarning",
+    "StrictBuildError",
+    "build_cache",
+    "decode_image",
+    "scan_source",
+]
+
+_TORCH_PARTS = {"MemmapImageDataset": "dataset"}
+
+
+def __getattr__(name: str):
+    # torch takes ~1 s to import; the build CLI and format readers do not need it.
+    if name in _TORCH_PARTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_TORCH_PARTS[name]}", __name__), name)
+    raise AttributeError(f"module 'mmcache' has no attribute {name!r}")

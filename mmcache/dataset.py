@@ -1,0 +1,237 @@
+"""The dataset: ``MemmapImageDataset``, a torch Dataset that reads images as slices of a cache.
+
+Each process maps the cache's data file itself, on first use: a DataLoader worker, forked or
+spawned, receives only the cache path and generation (pickling the dataset never carries pixels
+or the index), and reads pixels out of the OS page cache, which all processes and later runs
+share. The mapping is private and copy-on-write, so a sample is a writable view that costs no
+copy until a transform writes to it, and the default collate takes it without a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from . import format as fmt
+from .decode import decoder_fingerprint, decoder_versions
+from .errors import CacheFormatError, CacheStaleError, DecodeError, StaleCacheWarning
+from .scan import Listing, diff_listings, scan_source
+
+ON_STALE = ("warn", "error", "ignore")
+
+
+class MemmapImageDataset(Dataset):
+    """Images and labels from an mmcache cache, with torchvision ``ImageFolder``'s interface.
+
+    ``ds[i]`` is ``(image, label)``: ``image`` an H x W x C uint8 numpy array (C = 3, RGB unless
+    the cache was built with ``color="bgr"``; C = 1 for ``"gray"``), exactly the pixels the build
+    stored, passed through ``transform``; ``label`` an int, through ``target_transform``.
+
+    Args:
+        cache: the cache folder, as made by ``build_cache`` / ``mmcache build``.
+        transform: applied to each image array.
+        target_transform: applied to each label.
+        on_stale: what to do when the source changed since the build, or the cache was made by
+            another decoder version: ``"warn"`` (a ``StaleCacheWarning`` with a summary),
+            ``"error"`` (raise ``CacheStaleError``) or ``"ignore"`` (skip the check, which scans
+            the source folder). A source that is not there (a copied cache) is not checked.
+
+    Example:
+        >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=4)  # doctest: +SKIP
+
+    Raises:
+        CacheNotFoundError: no finished cache at ``cache``.
+        CacheFormatError: a damaged cache, or one of an unknown format version.
+        CacheStaleError: with ``on_stale="error"`` and a changed source.
+    """
+
+    def __init__(
+        self,
+        cache: str | os.PathLike,
+        transform: Callable[[np.ndarray], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        on_stale: str = "warn",
+    ) -> None:
+        if on_stale not in ON_STALE:
+            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
+        self.cache = Path(cache).expanduser().absolute()
+        self.transform = transform
+        self.target_transform = target_transform
+        files = fmt.read_cache_files(fmt.read_manifest(self.cache))
+        self.generation = files.manifest.generation
+        self._attach(files)
+        if on_stale != "ignore":
+            reason = stale_reason(files)
+            if reason is not None:
+                message = f"{self.cache}: the cache is stale: {reason}; run `mmcache build` again"
+                if on_stale == "error":
+                    raise CacheStaleError(message)
+                warnings.warn(message, StaleCacheWarning, stacklevel=2)
+
+    def _attach(self, files: fmt.CacheFiles) -> None:
+        """Keep what ``__getitem__`` needs as plain arrays; the pixels are mapped on first read."""
+        self._files = files
+        index = files.index
+        self._offsets = index["offset"].astype(np.int64)
+        self._shapes = np.stack([index["height"], index["width"], index["channels"]], 1).astype(
+            np.int64
+        )
+        self._labels = index["label"].astype(np.int64)
+        self._data: np.ndarray | None = None
+
+    def _load(self) -> None:
+        """Open this dataset's generation in a new process (a spawned worker, an unpickled copy)."""
+        manifest = fmt.read_manifest(self.cache)
+        if manifest.generation != self.generation:
+            raise self._rebuilt(manifest.generation)
+        self._attach(fmt.read_cache_files(manifest))
+
+    def _rebuilt(self, generation: str) -> CacheFormatError:
+        return CacheFormatError(
+            f"{self.cache}: the cache was rebuilt after this dataset was opened "
+            f"(generation {generation}, expected {self.generation}); open it again"
+        )
+
+    def _map(self) -> np.ndarray:
+        if self._files is None:
+            self._load()
+        if self._data is None:
+            path = self._files.manifest.file("data")
+            nbytes = self._files.manifest.sizes["data"]
+            # mode "c": MAP_PRIVATE, so views are writable (no collate warning) and a transform
+            # writing to one gets its own page instead of touching the cache.
+            try:
+                self._data = (
+                    np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+                    if nbytes
+                    else np.zeros(0, np.uint8)
+                )
+            except FileNotFoundError:
+                raise self._rebuilt(fmt.read_manifest(self.cache).generation) from None
+        return self._data
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the path, generation and transforms travel to workers: O(1) in the cache size.
+        state = self.__dict__.copy()
+        for key in ("_files", "_offsets", "_shapes", "_labels", "_data", "_samples"):
+            state.pop(key, None)
+        state["_files"] = None
+        state["_data"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        if self._files is None:
+            self._load()
+        return len(self._offsets)
+
+    def read(self, i: int) -> np.ndarray:
+        """The stored pixels of record ``i`` (no transform), an H x W x C writable view."""
+        data = self._map()
+        if not -len(self._offsets) <= i < len(self._offsets):
+            raise IndexError(f"index {i} out of range for {len(self._offsets)} images")
+        state = int(self._files.state["state"][i])
+        if state != fmt.FILLED:
+            path = self._files.path(i)
+            raise DecodeError(f"{path}: not in the cache: {fmt.BAD_REASONS.get(state, 'empty')}")
+        h, w, c = self._shapes[i]
+        off = self._offsets[i]
+        return data[off : off + h * w * c].reshape(h, w, c)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        img = self.read(i)
+        target = int(self._labels[i])
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return img, target
+
+    # torchvision ImageFolder's attributes ---------------------------------------------------
+
+    @property
+    def classes(self) -> list[str]:
+        if self._files is None:
+            self._load()
+        return list(self._files.manifest.classes)
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {c: i for i, c in enumerate(self.classes)}
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(source path, label)`` per image, as in ImageFolder (the source need not exist)."""
+        if self._files is None:
+            self._load()
+        root = self._files.manifest.source.get("root", "")
+        return [
+            (os.path.join(root, p), int(lab)) for p, lab in zip(self._files.paths(), self._labels)
+        ]
+
+    @property
+    def imgs(self) -> list[tuple[str, int]]:
+        return self.samples
+
+    @property
+    def targets(self) -> list[int]:
+        if self._files is None:
+            self._load()
+        return self._labels.tolist()
+
+    @property
+    def manifest(self) -> fmt.Manifest:
+        if self._files is None:
+            self._load()
+        return self._files.manifest
+
+
+def stale_reason(files: fmt.CacheFiles) -> str | None:
+    """Why a cache no longer matches its source or decoder, or None if it still does."""
+    m = files.manifest
+    reasons = []
+    if m.fingerprints.get("decoder") != decoder_fingerprint():
+        reasons.append(
+            f"it was decoded by {_versions(m.decoder)}, this machine decodes with {_versions(None)}"
+        )
+    root = Path(m.source.get("root", ""))
+    source = m.source.get("list_file") if m.source.get("kind") == "list" else root
+    if source and Path(source).exists():
+        try:
+            listing = scan_source(source)
+        except Exception as e:  # a source that now fails to scan has changed, in a way
+            reasons.append(f"the source cannot be scanned ({e})")
+        else:
+            if listing.fingerprint() != m.fingerprints.get("listing"):
+                reasons.append("the source changed: " + _diff_summary(files, listing))
+    return "; ".join(reasons) or None
+
+
+def _diff_summary(files: fmt.CacheFiles, listing: Listing) -> str:
+    m = files.manifest
+    idx = files.index
+    paths = files.paths() + [s["path"] for s in m.skipped]
+    n_skip = len(m.skipped)
+    skipped_stats = np.array(
+        [(s.get("size", -1), s.get("mtime_ns", -1)) for s in m.skipped], np.int64
+    ).reshape(-1, 2)
+    sizes = np.concatenate([idx["source_size"].astype(np.int64), skipped_stats[:, 0]])
+    mtimes = np.concatenate([idx["source_mtime_ns"], skipped_stats[:, 1]])
+    labels = np.concatenate([idx["label"], np.zeros(n_skip, np.int32)])
+    diff = diff_listings(m.classes, paths, labels, sizes, mtimes, listing)
+    diff.relabeled = [p for p in diff.relabeled if p in set(files.paths())]
+    return diff.summary()
+
+
+def _versions(versions: dict[str, str] | None) -> str:
+    v = decoder_versions() if versions is None else versions
+    return ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "an unknown decoder"

@@ -1,0 +1,77 @@
+"""The exceptions mmcache raises: one hierarchy rooted at ``CacheError``.
+
+Each subclass also inherits the built-in exception a caller would catch anyway
+(``FileNotFoundError``, ``ValueError``, ...), so ``except ValueError`` keeps working.
+Every class is built from a single message string, so instances pickle and cross
+DataLoader worker boundaries intact (a multi-argument ``__init__`` would not).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheError",
+    "CacheFormatError",
+    "CacheNotFoundError",
+    "CacheStaleError",
+    "DecodeError",
+    "SourceError",
+    "NotACacheError",
+    "StrictBuildError",
+    "InsufficientSpaceError",
+    "DestinationError",
+    "StaleCacheWarning",
+]
+
+
+class CacheError(Exception):
+    """Base class of every error mmcache raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        # One-argument reconstruction: survives pickling across worker processes.
+        return (type(self), (str(self),))
+
+
+class CacheNotFoundError(CacheError, FileNotFoundError):
+    """The cache path does not exist or holds no finished cache."""
+
+
+class CacheFormatError(CacheError, ValueError):
+    """A cache on disk is damaged, truncated, or of an unknown format version."""
+
+
+class NotACacheError(CacheError, FileExistsError):
+    """A path that is not an mmcache cache stands where a cache would be written."""
+
+
+class CacheStaleError(CacheError, RuntimeError):
+    """The cache no longer matches its source, options or decoder."""
+
+
+class SourceError(CacheError, FileNotFoundError):
+    """The source folder or list is missing, empty, or holds no images."""
+
+
+class DecodeError(CacheError, ValueError):
+    """An image could not be decoded (or was refused) as the build asked."""
+
+
+class StrictBuildError(CacheError, RuntimeError):
+    """A ``strict`` build met files it could not decode."""
+
+
+class InsufficientSpaceError(CacheError, OSError):
+    """The destination filesystem lacks the space the cache needs."""
+
+
+class DestinationError(CacheError, OSError):
+    """The cache cannot be written where it was asked to be (permissions, a file in the way)."""
+
+
+class StaleCacheWarning(UserWarning):
+    """A cache opened with ``on_stale="warn"`` no longer matches its source or decoder."""

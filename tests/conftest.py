@@ -1,0 +1,76 @@
+"""Shared fixtures: small image folders made in temporary directories, and the real test images."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+TESTIMAGES = Path(__file__).resolve().parents[2] / "shared" / "testimages"
+
+
+def write_image(path: Path, width: int, height: int, seed: int = 0, quality: int = 90) -> Path:
+    """A small smooth-plus-noise image (JPEG, PNG, ... by extension); returns its path."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [
+            (xx * 255 // max(width - 1, 1)),
+            (yy * 255 // max(height - 1, 1)),
+            np.full_like(xx, seed * 37 % 256),
+        ],
+        -1,
+    )
+    img = np.clip(base + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = [cv2.IMWRITE_JPEG_QUALITY, quality] if path.suffix.lower() in (".jpg", ".jpeg") else []
+    ok, buf = cv2.imencode(path.suffix.lower(), img, params)
+    assert ok
+    path.write_bytes(buf.tobytes())
+    return path
+
+
+def make_folder(root: Path, classes: dict[str, list[tuple[int, int]]], ext: str = ".jpg") -> Path:
+    """root/<class>/img_<k><ext> for each (width, height) listed under each class."""
+    k = 0
+    for name, sizes in classes.items():
+        for w, h in sizes:
+            write_image(root / name / f"img_{k:03d}{ext}", w, h, seed=k)
+            k += 1
+    return root
+
+
+@pytest.fixture
+def small_folder(tmp_path: Path) -> Path:
+    """Three classes, twelve JPEGs of mixed sizes (some portrait, some landscape)."""
+    sizes = [(64, 48), (48, 64), (40, 40), (33, 17)]
+    return make_folder(tmp_path / "src", {"cat": sizes, "dog": sizes, "emu": sizes})
+
+
+@pytest.fixture
+def testimages(tmp_path: Path) -> Path:
+    """A copy of ../shared/testimages as one flat folder (copied: the original is read-only)."""
+    if not TESTIMAGES.is_dir():
+        pytest.skip(f"{TESTIMAGES} is not there (it lies beside the checkout)")
+    dst = tmp_path / "testimages"
+    dst.mkdir()
+    for p in TESTIMAGES.iterdir():
+        if p.suffix.lower() in (".jpg", ".png"):
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
+def reference(path: Path | str, *, color: str = "rgb", size=None, interpolation=None):
+    """What a cache must hold: cv2.imread, then cv2.resize, then cv2.cvtColor - spelled out."""
+    flags = cv2.IMREAD_GRAYSCALE if color == "gray" else cv2.IMREAD_COLOR
+    img = cv2.imread(str(path), flags)
+    if img is None:
+        return None
+    if size is not None and size != (img.shape[1], img.shape[0]):
+        img = cv2.resize(img, size, interpolation=interpolation)
+    if color == "rgb":
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    return img.reshape(img.shape[0], img.shape[1], -1)

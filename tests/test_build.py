@@ -1,0 +1,245 @@
+"""Building: bad input, strictness, the pixel limit, reuse, refusing to overwrite, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_image
+
+from mmcache import (
+    CacheNotFoundError,
+    DestinationError,
+    MemmapImageDataset,
+    NotACacheError,
+    StrictBuildError,
+    build_cache,
+)
+from mmcache import format as fmt
+
+
+def test_build_report_and_files(small_folder, tmp_path):
+    report = build_cache(small_folder, tmp_path / "cache", workers=1)
+    assert (report.images, report.classes, report.decoded) == (12, 3, 12)
+    assert report.skipped == [] and not report.up_to_date
+    m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert m["magic"] == "mmcache" and m["format_version"] == [1, 0]
+    assert m["classes"] == ["cat", "dog", "emu"] and m["count"] == 12
+    assert set(os.listdir(tmp_path / "cache")) == {"manifest.json", "lock", *m["files"].values()}
+    assert report.bytes == m["sizes"]["data"]
+
+
+def test_plain_numpy_reads_a_cache_by_the_spec(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    folder = tmp_path / "cache"
+    m = json.loads((folder / "manifest.json").read_text())
+    dtype = np.dtype([tuple(f) for f in m["index_dtype"]])
+    index = np.fromfile(folder / m["files"]["index"], dtype=dtype)
+    data = np.memmap(folder / m["files"]["data"], dtype=np.uint8, mode="r")
+    ds = MemmapImageDataset(folder)
+    for i, r in enumerate(index):
+        n = int(r["height"]) * int(r["width"]) * int(r["channels"])
+        img = np.asarray(data[r["offset"] : r["offset"] + n]).reshape(
+            r["height"], r["width"], r["channels"]
+        )
+        assert np.array_equal(img, ds[i][0])
+        assert r["offset"] % 64 == 0
+
+
+def test_undecodable_files_are_skipped_and_recorded(testimages, tmp_path):
+    report = build_cache(testimages, tmp_path / "cache", workers=2)
+    assert [s["path"] for s in report.skipped] == ["broken.png"]
+    m = fmt.read_manifest(tmp_path / "cache")
+    assert [s["path"] for s in m.skipped] == ["broken.png"]
+    warned = {w["path"]: w["reason"] for w in m.warnings}
+    assert "Premature end of JPEG file" in warned["truncated_jpeg.jpg"]
+    assert "extraneous bytes" in warned["junk_jpeg_header.jpg"]
+    assert "truncated_jpeg.jpg" in {
+        p.rsplit("/", 1)[-1] for p, _ in MemmapImageDataset(tmp_path / "cache").samples
+    }
+
+
+def test_strict_build_fails_and_leaves_no_cache(testimages, tmp_path):
+    with pytest.raises(StrictBuildError, match="broken.png"):
+        build_cache(testimages, tmp_path / "cache", strict=True, workers=1)
+    with pytest.raises(CacheNotFoundError):
+        MemmapImageDataset(tmp_path / "cache")
+    assert not any(n.endswith(".bin") for n in os.listdir(tmp_path / "cache"))
+
+
+def test_strict_build_keeps_the_previous_cache(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    before = MemmapImageDataset(tmp_path / "cache")[0][0].copy()
+    (small_folder / "cat" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    with pytest.raises(StrictBuildError, match="bad.jpg"):
+        build_cache(small_folder, tmp_path / "cache", strict=True, workers=1)
+    ds = MemmapImageDataset(tmp_path / "cache", on_stale="ignore")
+    assert len(ds) == 12 and np.array_equal(ds[0][0], before)
+
+
+def test_images_above_the_pixel_limit_are_refused_without_decoding(tmp_path, monkeypatch):
+    write_image(tmp_path / "src" / "big.png", 300, 200)
+    write_image(tmp_path / "src" / "ok.png", 20, 20)
+    import cv2
+
+    decoded = []
+    real = cv2.imread
+    monkeypatch.setattr(cv2, "imread", lambda p, *a: decoded.append(p) or real(p, *a))
+    report = build_cache(tmp_path / "src", tmp_path / "cache", max_pixels=10_000, workers=1)
+    assert report.images == 1
+    assert [s["path"] for s in report.skipped] == ["big.png"]
+    assert "pixels" in report.skipped[0]["reason"]
+    assert [Path(p).name for p in decoded] == ["ok.png"]
+
+
+def test_an_unchanged_source_is_a_no_op(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    files = {p.name: p.stat() for p in (tmp_path / "cache").iterdir()}
+    again = build_cache(small_folder, tmp_path / "cache", workers=1)
+    assert again.up_to_date and again.decoded == 0 and again.images == 12
+    after = {p.name: p.stat() for p in (tmp_path / "cache").iterdir()}
+    assert {n: (s.st_ino, s.st_mtime_ns) for n, s in files.items()} == {
+        n: (s.st_ino, s.st_mtime_ns) for n, s in after.items()
+    }
+
+
+def test_changed_options_rebuild(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    report = build_cache(small_folder, tmp_path / "cache", size=(16, 16), workers=1)
+    assert not report.up_to_date and report.decoded == 12 and report.reused == 0
+    assert MemmapImageDataset(tmp_path / "cache")[0][0].shape == (16, 16, 3)
+    # the previous generation's files are gone
+    assert len([n for n in os.listdir(tmp_path / "cache") if n.endswith(".bin")]) == 4
+
+
+def test_a_changed_source_is_rebuilt(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    write_image(small_folder / "dog" / "new.jpg", 30, 20, seed=99)
+    report = build_cache(small_folder, tmp_path / "cache", workers=1)
+    assert not report.up_to_date and report.images == 13
+
+
+@pytest.mark.parametrize("content", ["file", "folder"])
+def test_a_path_that_is_not_a_cache_is_never_overwritten(small_folder, tmp_path, content):
+    target = tmp_path / "precious"
+    if content == "file":
+        target.write_text("keep me")
+    else:
+        target.mkdir()
+        (target / "thesis.tex").write_text("keep me")
+    with pytest.raises(NotACacheError, match="precious"):
+        build_cache(small_folder, target, workers=1)
+    kept = target if content == "file" else target / "thesis.tex"
+    assert kept.read_text() == "keep me"
+
+
+def test_an_unwritable_destination_is_a_clear_error(small_folder, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DestinationError, match="cannot write"):
+        build_cache(small_folder, tmp_path / "afile" / "cache", workers=1)
+    with pytest.raises(DestinationError, match="cannot write"):
+        build_cache(small_folder, "/proc/mmcache-cache", workers=1)
+
+
+def _build_in_subprocess(src: Path, cache: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "build", str(src), str(cache), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def _wait_for_data_file(cache: Path, proc: subprocess.Popen, min_bytes: int) -> None:
+    """Wait until the build has started writing pixels of a new generation."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if cache.is_dir():
+            names = [n for n in os.listdir(cache) if n.startswith("data-")]
+            current = (
+                json.loads((cache / "manifest.json").read_text())["files"]["data"]
+                if (cache / "manifest.json").exists()
+                else None
+            )
+            for n in names:
+                if n != current and os.stat(cache / n).st_blocks * 512 >= min_bytes:
+                    return
+        time.sleep(0.02)
+    raise AssertionError("the build never started writing")
+
+
+@pytest.fixture(scope="session")
+def _big_image(tmp_path_factory) -> Path:
+    return write_image(tmp_path_factory.mktemp("big") / "one.png", 1600, 1200)
+
+
+@pytest.fixture
+def big_folder(tmp_path: Path, _big_image: Path) -> Path:
+    """120 hard links to one 1600x1200 PNG: a build of a few seconds, time to kill it mid-way."""
+    for k in range(120):
+        d = tmp_path / "big" / ("a" if k % 2 else "b")
+        d.mkdir(parents=True, exist_ok=True)
+        os.link(_big_image, d / f"{k:03d}.png")
+    return tmp_path / "big"
+
+
+def test_a_killed_build_leaves_the_previous_cache_intact(big_folder, small_folder, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(small_folder, cache, workers=1)
+    before = [MemmapImageDataset(cache)[i][0].copy() for i in range(12)]
+    proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
+    _wait_for_data_file(cache, proc, 1 << 20)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    ds = MemmapImageDataset(cache, on_stale="ignore")
+    assert len(ds) == 12
+    assert all(np.array_equal(ds[i][0], before[i]) for i in range(12))
+    # the next build cleans up what the killed one left and succeeds
+    report = build_cache(big_folder, cache, workers=2)
+    assert report.images == 120
+    assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
+
+
+def test_a_killed_first_build_leaves_nothing_a_reader_accepts(big_folder, tmp_path):
+    cache = tmp_path / "cache"
+    proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
+    _wait_for_data_file(cache, proc, 1 << 20)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    with pytest.raises(CacheNotFoundError, match="no finished cache"):
+        MemmapImageDataset(cache)
+
+
+def test_ctrl_c_stops_the_build_and_its_workers_promptly(big_folder, tmp_path):
+    cache = tmp_path / "cache"
+    proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
+    _wait_for_data_file(cache, proc, 1 << 20)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: the whole process group
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - start < 5
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err
+    deadline = time.monotonic() + 5
+    while alive := subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+        assert time.monotonic() < deadline, f"processes left: {alive}"
+        time.sleep(0.05)
+    with pytest.raises(CacheNotFoundError):
+        MemmapImageDataset(cache)
+    assert not [n for n in os.listdir(cache) if n.endswith(".bin")]
+
+
+def test_cache_folder_can_be_moved_as_a_unit(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    shutil.move(tmp_path / "cache", tmp_path / "moved")
+    ds = MemmapImageDataset(tmp_path / "moved")
+    assert len(ds) == 12 and ds[4][0].shape == (48, 64, 3)

@@ -1,0 +1,92 @@
+"""The command line, called in-process: one-line errors, exit codes, the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mmcache import MemmapImageDataset
+from mmcache.cli import main
+
+
+def test_build_then_up_to_date(small_folder, tmp_path, capsys):
+    assert (
+        main(
+            ["build", str(small_folder), str(tmp_path / "c"), "--max-side", "32", "--workers", "1"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "12 images, 3 classes" in out and "0 skipped" in out
+    assert MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
+    assert main(["build", str(small_folder), str(tmp_path / "c"), "--max-side", "32"]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_build_lists_skipped_files(testimages, tmp_path, capsys):
+    assert main(["build", str(testimages), str(tmp_path / "c"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped" in out and "skipped broken.png" in out
+    assert "warning truncated_jpeg.jpg: Premature end of JPEG file" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["build", "{tmp}/missing", "{tmp}/c"], "source not found"),
+        (["build", "{tmp}", "{tmp}/c"], "no images found"),
+        (["build", "{src}", "{src}"], "is not an mmcache cache"),
+        (["build", "{src}", "/proc/nope"], "cannot write the cache here"),
+        (["build", "{src}", "{tmp}/c", "--max-side", "0"], "max_side must be a positive"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(small_folder, tmp_path, capsys, args, message):
+    args = [a.format(tmp=tmp_path / "empty", src=small_folder) for a in args]
+    (tmp_path / "empty").mkdir()
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.startswith("mmcache: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_strict_build_exits_non_zero(testimages, tmp_path, capsys):
+    assert main(["build", str(testimages), str(tmp_path / "c"), "--strict"]) == 1
+    assert "broken.png" in capsys.readouterr().err
+
+
+def test_bad_size_syntax_is_an_argparse_error(small_folder, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["build", str(small_folder), str(tmp_path / "c"), "--size", "big"])
+    assert e.value.code == 2
+
+
+def test_python_dash_m_and_the_demo(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "demo",
+            "--images",
+            "24",
+            "--image-size",
+            "64x48",
+            "--epochs",
+            "2",
+            "--workers",
+            "0",
+            "--workdir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "pixels identical to decoding: yes" in r.stdout
+    assert r.stdout.count("decode every epoch   epoch") == 2
+    assert r.stdout.count("mmcache              epoch") == 2
+    assert (tmp_path / "demo" / "cache" / "manifest.json").exists()

@@ -1,0 +1,201 @@
+"""MemmapImageDataset: ImageFolder's interface, DataLoader workers, pickling, memory, staleness."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder, write_image
+from torch.utils.data import DataLoader
+
+from mmcache import (
+    CacheFormatError,
+    CacheNotFoundError,
+    CacheStaleError,
+    MemmapImageDataset,
+    StaleCacheWarning,
+    build_cache,
+    decode_image,
+)
+
+
+@pytest.fixture
+def cache(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    return tmp_path / "cache"
+
+
+def test_imagefolder_interface(cache, small_folder):
+    ds = MemmapImageDataset(cache)
+    assert len(ds) == 12
+    assert ds.classes == ["cat", "dog", "emu"]
+    assert ds.class_to_idx == {"cat": 0, "dog": 1, "emu": 2}
+    assert ds.targets == [0] * 4 + [1] * 4 + [2] * 4
+    assert ds.samples[0] == (str(small_folder.resolve() / "cat" / "img_000.jpg"), 0)
+    img, label = ds[5]
+    assert isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.shape == (64, 48, 3)
+    assert isinstance(label, int) and label == 1
+    assert np.array_equal(img, decode_image(ds.samples[5][0]))
+    assert np.array_equal(ds[-1][0], ds[11][0])
+    with pytest.raises(IndexError):
+        ds[12]
+
+
+def test_transforms_are_applied(cache):
+    ds = MemmapImageDataset(
+        cache, transform=lambda a: torch.from_numpy(a).permute(2, 0, 1), target_transform=str
+    )
+    img, label = ds[0]
+    assert img.shape == (3, 48, 64) and label == "0"
+
+
+def test_a_transform_writing_in_place_does_not_touch_the_cache(cache):
+    def scribble(a):
+        a[:] = 0
+        return a
+
+    assert MemmapImageDataset(cache, transform=scribble)[0][0].max() == 0
+    assert MemmapImageDataset(cache)[0][0].max() > 0
+
+
+def _equal_size_cache(tmp_path, n=24):
+    src = make_folder(tmp_path / "eq", {"a": [(32, 24)] * (n // 2), "b": [(32, 24)] * (n // 2)})
+    build_cache(src, tmp_path / "eqcache", workers=1)
+    return tmp_path / "eqcache"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_dataloader_workers_under_each_start_method(tmp_path, start_method):
+    ds = MemmapImageDataset(_equal_size_cache(tmp_path))
+    loader = DataLoader(
+        ds, batch_size=5, num_workers=2, multiprocessing_context=start_method, shuffle=False
+    )
+    # filterwarnings = error: a "non-writable array" warning from collate fails this test.
+    images, labels = zip(*loader)
+    images, labels = torch.cat(images), torch.cat(labels)
+    assert images.shape == (24, 24, 32, 3) and images.dtype == torch.uint8
+    assert labels.tolist() == ds.targets
+    for i in range(24):
+        assert np.array_equal(images[i].numpy(), ds[i][0])
+
+
+def test_dataloader_in_process(tmp_path):
+    ds = MemmapImageDataset(_equal_size_cache(tmp_path))
+    batches = list(DataLoader(ds, batch_size=8, num_workers=0))
+    assert [b[0].shape[0] for b in batches] == [8, 8, 8]
+
+
+def test_pickled_size_does_not_grow_with_the_cache(tmp_path):
+    small = MemmapImageDataset(_equal_size_cache(tmp_path / "s", n=4))
+    big = MemmapImageDataset(_equal_size_cache(tmp_path / "b", n=200))
+    small[0], big[0]  # map the pixels first: a mapped dataset must pickle small too
+    assert len(pickle.dumps(big)) == len(pickle.dumps(small)) < 2000
+    copy = pickle.loads(pickle.dumps(big))
+    assert len(copy) == 200 and np.array_equal(copy[199][0], big[199][0])
+
+
+def _rss_anon_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_reading_the_whole_cache_allocates_no_private_memory(tmp_path):
+    # 200 images of 320x240x3: 46 MB of pixels. Reading them all through the dataset must not
+    # grow this process's anonymous (private) memory: the pixels stay in the shared page cache.
+    src = make_folder(tmp_path / "m", {"a": [(320, 240)] * 200}, ext=".png")
+    build_cache(src, tmp_path / "mcache", workers=1)
+    ds = MemmapImageDataset(tmp_path / "mcache")
+    ds[0]
+    before = _rss_anon_kb()
+    total = 0
+    for i in range(len(ds)):
+        total += int(ds[i][0][::16, ::16].sum())  # touch every image
+    grown_mb = (_rss_anon_kb() - before) / 1024
+    assert total > 0
+    assert grown_mb < 10, f"private memory grew by {grown_mb:.1f} MB"
+
+
+def _rewrite_manifest(cache, **changes):
+    path = cache / "manifest.json"
+    m = json.loads(path.read_text())
+    m.update(changes)
+    path.write_text(json.dumps(m))
+    return m
+
+
+def test_a_newer_format_version_is_refused_at_open(cache):
+    _rewrite_manifest(cache, format_version=[2, 0])
+    with pytest.raises(CacheFormatError, match="format version 2.0 is not supported"):
+        MemmapImageDataset(cache)
+
+
+def test_a_truncated_data_file_is_refused_at_open(cache):
+    m = json.loads((cache / "manifest.json").read_text())
+    data = cache / m["files"]["data"]
+    os.truncate(data, data.stat().st_size - 100)
+    with pytest.raises(CacheFormatError, match="truncated"):
+        MemmapImageDataset(cache)
+
+
+def test_a_corrupt_index_is_refused_at_open(cache):
+    m = json.loads((cache / "manifest.json").read_text())
+    index = cache / m["files"]["index"]
+    raw = bytearray(index.read_bytes())
+    raw[56 * 3 : 56 * 3 + 8] = (10**12).to_bytes(8, "little")  # record 3's offset, far away
+    index.write_bytes(bytes(raw))
+    with pytest.raises(CacheFormatError, match="record 3"):
+        MemmapImageDataset(cache)
+
+
+def test_no_cache_at_all(tmp_path):
+    with pytest.raises(CacheNotFoundError):
+        MemmapImageDataset(tmp_path / "nothing")
+
+
+def test_a_changed_source_warns_with_a_summary(cache, small_folder):
+    write_image(small_folder / "dog" / "extra.jpg", 20, 20, seed=7)
+    (small_folder / "cat" / "img_001.jpg").unlink()
+    with pytest.warns(StaleCacheWarning, match=r"1 added \(dog/extra.jpg\); 1 removed"):
+        ds = MemmapImageDataset(cache)
+    assert len(ds) == 12  # still serves what it has
+    with pytest.raises(CacheStaleError, match="source changed"):
+        MemmapImageDataset(cache, on_stale="error")
+    MemmapImageDataset(cache, on_stale="ignore")  # no warning: filterwarnings = error
+
+
+def test_a_modified_file_is_reported(cache, small_folder):
+    path = small_folder / "emu" / "img_010.jpg"
+    write_image(path, 40, 40, seed=123)
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(CacheStaleError, match=r"1 modified \(emu/img_010.jpg\)"):
+        MemmapImageDataset(cache, on_stale="error")
+
+
+def test_a_missing_source_is_not_a_change(cache, small_folder, tmp_path):
+    small_folder.rename(tmp_path / "gone")
+    assert len(MemmapImageDataset(cache, on_stale="error")) == 12
+
+
+def test_a_cache_from_another_decoder_version_is_stale(cache):
+    m = json.loads((cache / "manifest.json").read_text())
+    _rewrite_manifest(
+        cache,
+        decoder={**m["decoder"], "opencv": "3.0.0"},
+        fingerprints={**m["fingerprints"], "decoder": "0" * 64},
+    )
+    with pytest.raises(CacheStaleError, match="opencv 3.0.0"):
+        MemmapImageDataset(cache, on_stale="error")
+
+
+def test_a_rebuilt_cache_is_not_mixed_into_an_open_dataset(cache, small_folder):
+    ds = MemmapImageDataset(cache)
+    ds[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    build_cache(small_folder, cache, size=(8, 8), workers=1)
+    assert ds[0][0].shape == (48, 64, 3)  # already open: keeps reading its generation
+    with pytest.raises(CacheFormatError, match="rebuilt after this dataset was opened"):
+        copy[0]
