@@ -39,10 +39,13 @@ class _Progress:
 
             self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr)
         self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.close()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def _add_preprocessing(p: argparse.ArgumentParser) -> None:

@@ -1,21 +1,12 @@
 """Image sizes from file headers, without decoding: what cv2.imread would return, in microseconds.
 
-``probe_size`` reads a few kilobytes of a JPEG, PNG, BMP, WebP or TIFF file and answers the
+``probe_size`` reads a few kilobytes of a JPEG, PNG, BMP, WebP or TIFF file and returns the
 ``(height, width)`` that ``cv2.imread(path, cv2.IMREAD_COLOR)`` would return, EXIF orientation
-included, or ``None`` whenever the headers do not settle the question (unknown format, malformed or
-truncated headers, images OpenCV refuses, EXIF that different OpenCV builds could read differently).
-``None`` is always a safe answer: the caller then decodes the file to find out. The rules mirror
-what OpenCV 5.1 (libjpeg-turbo 3.1, libpng 1.6, libwebp, libtiff 4.7) was observed to do:
-
-- JPEG: the first SOF before the first SOS gives the size; every APP1 starting ``Exif\\0\\0``
-  before SOS is read and the first Orientation tag of IFD0 found wins.
-- PNG: the first ``eXIf`` chunk libpng accepts (length >= 4, good CRC, ``II*\\0``/``MM\\0*``),
-  before or after the image data, gives the orientation; ``tEXt`` raw profiles are ignored.
-- WebP: the ``EXIF`` chunk counts only in an extended (VP8X) file whose EXIF flag is set.
-- TIFF: Orientation 5..8 makes this OpenCV build fail to read the file, so the answer is None.
-- BMP: no orientation.
-
-Only ``OSError`` from opening or reading the file propagates; malformed content gives ``None``.
+included, or ``None`` when the headers do not settle it: another format, malformed or truncated
+headers, a size OpenCV refuses, EXIF that OpenCV builds could read differently. ``None`` is always
+safe, as the caller then decodes. The rules, format by format below, mirror what OpenCV 5.1
+(libjpeg-turbo 3.1, libpng 1.6, libwebp, libtiff 4.7) was observed to do. Only ``OSError`` from
+reading the file propagates.
 """
 
 from __future__ import annotations
@@ -254,9 +245,11 @@ def _swaps(results: list[tuple[int, bool] | None]) -> bool:
 
 # --- JPEG ---------------------------------------------------------------------------------------
 
+# JPEG: libjpeg's marker walk up to the first SOS. The frame (SOF) gives the size; every APP1
+# starting "Exif\0\0" before SOS is parsed and the first IFD0 Orientation found wins.
+# Baseline, extended, progressive and arithmetic frames; lossless (C3, CB), hierarchical and JPG
+# (C5-C8, CD-CF) frames are refused, or may be, by libjpeg, so they answer None.
 _JPEG_SOF_SUPPORTED = frozenset((0xC0, 0xC1, 0xC2, 0xC9, 0xCA))
-# Lossless (C3, CB) and hierarchical/JPG (C5-C8, CD-CF) frames: libjpeg refuses or may refuse.
-_JPEG_SOF_OTHER = frozenset((0xC3, 0xC5, 0xC6, 0xC7, 0xC8, 0xCB, 0xCD, 0xCE, 0xCF))
 _JPEG_TABLES = frozenset((0xC4, 0xCC, 0xDB, 0xDD))  # DHT, DAC, DQT, DRI
 _JPEG_SKIPPABLE = frozenset(range(0xE0, 0xF0)) | {0xFE, 0xDC}  # APPn, COM, DNL
 _JPEG_MAX_DIMENSION = 65500  # libjpeg's JPEG_MAX_DIMENSION
@@ -292,6 +285,8 @@ def _jpeg_next_marker(r: _Reader, pos: int, budget: list[int]) -> tuple[int, int
         if c != 0:
             return c, pos
         budget[0] -= 2  # FF 00 is stuffed entropy data, not a marker: keep looking
+        if budget[0] < 0:
+            raise _Unsure
 
 
 def _jpeg(r: _Reader) -> tuple[int, int] | None:
@@ -365,6 +360,9 @@ def _jpeg(r: _Reader) -> tuple[int, int] | None:
 
 
 # --- PNG ----------------------------------------------------------------------------------------
+# IHDR gives the size. The first eXIf chunk libpng accepts (length >= 4, good CRC, starting
+# "II*\0" or "MM\0*"), before or after the image data, gives the orientation; later ones are
+# ignored as duplicates, and so are ImageMagick's tEXt "Raw profile type exif" chunks.
 
 
 def _make_crc_table() -> tuple[int, ...]:
@@ -461,6 +459,7 @@ def _png(r: _Reader) -> tuple[int, int] | None:
 
 
 # --- BMP ----------------------------------------------------------------------------------------
+# The info header gives the size (a negative height means top-down rows); no orientation.
 
 
 def _bmp(r: _Reader) -> tuple[int, int] | None:
@@ -512,6 +511,8 @@ def _bmp(r: _Reader) -> tuple[int, int] | None:
 
 
 # --- WebP ---------------------------------------------------------------------------------------
+# The VP8/VP8L frame header gives the size. Only an extended (VP8X) file whose EXIF flag is set
+# has its first EXIF chunk read; an EXIF chunk elsewhere is ignored.
 
 
 def _webp_bitstream(r: _Reader, kind: bytes, pos: int, length: int) -> tuple[int, int] | None:
@@ -591,6 +592,8 @@ def _webp(r: _Reader) -> tuple[int, int] | None:
 
 
 # --- TIFF ---------------------------------------------------------------------------------------
+# The first IFD gives the size. This OpenCV build fails to read a TIFF whose Orientation is
+# 5..8 (imread returns None), so those answer None; 1..4 keep the stored shape.
 
 # Bytes per value of each TIFF field type (BYTE, ASCII, SHORT, LONG, RATIONAL, ..., IFD).
 _TIFF_TYPE_SIZES = dict(zip(range(1, 14), (1, 1, 2, 4, 8, 1, 1, 2, 4, 8, 4, 8, 4), strict=True))
@@ -654,10 +657,10 @@ def _tiff(r: _Reader) -> tuple[int, int] | None:
     width = scalar(256)
     height = scalar(257)
     orientation = scalar(0x0112)
-    if not width or not height:
-        return None
-    if orientation in _SWAPPING:
-        return None  # this OpenCV build fails to read such TIFFs (imread returns None)
+    if not width or not height or 262 not in entries or scalar(278) == 0:
+        return None  # no size, no PhotometricInterpretation, or RowsPerStrip 0: OpenCV fails
+    if orientation is not None and not 1 <= orientation <= 4:
+        return None  # 5..8: this OpenCV build fails on them; others are invalid for libtiff
     # The image data must be in the file: libtiff fails on a truncated strip or tile.
     if 273 in entries:
         offsets, counts = 273, 279
