@@ -16,9 +16,10 @@ import fcntl
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -89,6 +90,8 @@ def build_cache(
     workers: int | None = None,
     strict: bool = False,
     progress: ProgressFn | None = None,
+    distributed: bool | None = None,
+    dist_timeout: float = 1800.0,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
 
@@ -106,14 +109,22 @@ def build_cache(
         max_pixels: refuse larger images without decoding them (default: Pillow's bomb limit).
         workers: decode processes (default: all cores).
         strict: fail, leaving no new cache, if any file cannot be decoded.
-        progress: called as ``progress(done, total)`` while decoding.
+        progress: called as ``progress(done, total)`` while decoding (in a distributed build,
+            for this rank's share).
+        distributed: build with every rank of the initialised ``torch.distributed`` process
+            group (see ``mmcache.distributed``); every rank must then call ``build_cache`` with
+            the same arguments, and every rank gets the same report or error. ``None`` (the
+            default) does so when a group of more than one process is initialised.
+        dist_timeout: in a distributed build, seconds a rank waits for the others at each step
+            (rank 0 planning, the slowest share) before the build fails.
 
     Example:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
         >>> report.images, report.skipped  # doctest: +SKIP
 
     Raises:
-        SourceError, NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError.
+        SourceError, NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
+        DistributedBuildError.
     """
     opts = Options(
         size=size,
@@ -123,32 +134,88 @@ def build_cache(
         color=color,
         **({} if max_pixels is None else {"max_pixels": max_pixels}),
     )
+    if _in_process_group(distributed):
+        from .distributed import build_distributed
+
+        return build_distributed(
+            source,
+            cache,
+            opts,
+            workers=workers,
+            strict=strict,
+            progress=progress,
+            timeout=dist_timeout,
+        )
     start = time.perf_counter()
+    with _session(source, cache, opts) as s:
+        report = _up_to_date_report(s)
+        if report is None:
+            g = _allocate(s, opts)
+            with _discarded_on_failure(g):
+                g.record(_decode_records(g.jobs(g.todo), g.data_path, opts, workers, progress))
+                manifest, report = _finish(g, s, opts, strict)
+            _publish(s, manifest)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _in_process_group(distributed: bool | None) -> bool:
+    """Whether to build with every rank of torch.distributed's default process group."""
+    if distributed is False:
+        return False
+    # No torch in sys.modules means no process group: do not pay ~1 s to import it to find out.
+    dist = sys.modules.get("torch.distributed")
+    active = dist is not None and dist.is_available() and dist.is_initialized()
+    if distributed and not active:
+        raise ValueError(
+            "distributed=True needs an initialised torch.distributed process group "
+            "(run under torchrun and call torch.distributed.init_process_group first)"
+        )
+    return active and dist.get_world_size() > 1
+
+
+@dataclass
+class _Session:
+    """A build holding the cache's writer lock: the listing, the cache found there, fingerprints."""
+
+    listing: Listing
+    folder: Path
+    previous: fmt.CacheFiles | None
+    fingerprints: dict[str, str]
+
+
+@contextmanager
+def _session(
+    source: str | os.PathLike, cache: str | os.PathLike, opts: Options
+) -> Iterator[_Session]:
+    """Scan the source, check the destination, and hold its writer lock while the build runs."""
     listing = scan_source(source)
     folder = Path(cache).expanduser().absolute()
     _prepare_folder(folder)
     with _locked(folder):
-        previous = _read_previous(folder)
         fingerprints = {
             "listing": listing.fingerprint(),
             "options": opts.fingerprint(),
             "decoder": decoder_fingerprint(),
         }
-        if previous is not None and _is_current(previous, fingerprints):
-            m = previous.manifest
-            return BuildReport(
-                cache=folder,
-                images=m.count,
-                classes=len(m.classes),
-                bytes=m.sizes["data"],
-                seconds=time.perf_counter() - start,
-                up_to_date=True,
-                skipped=m.skipped,
-                warnings=m.warnings,
-            )
-        report = _build(listing, opts, folder, previous, fingerprints, workers, strict, progress)
-    report.seconds = time.perf_counter() - start
-    return report
+        yield _Session(listing, folder, _read_previous(folder), fingerprints)
+
+
+def _up_to_date_report(s: _Session) -> BuildReport | None:
+    """The report of a build that has nothing to do, or None if the cache must be (re)built."""
+    if s.previous is None or not _is_current(s.previous, s.fingerprints):
+        return None
+    m = s.previous.manifest
+    return BuildReport(
+        cache=s.folder,
+        images=m.count,
+        classes=len(m.classes),
+        bytes=m.sizes["data"],
+        seconds=0.0,
+        up_to_date=True,
+        skipped=m.skipped,
+        warnings=m.warnings,
+    )
 
 
 def _prepare_folder(folder: Path) -> None:
@@ -205,12 +272,14 @@ class _Plan:
     offsets: np.ndarray  # uint64
     data_bytes: int
     state: np.ndarray  # fmt codes: EMPTY = to decode, BAD_* = refused before decoding
+    pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
 
 
 def plan_layout(listing: Listing, opts: Options) -> _Plan:
     """Shapes from headers (no decoding) and the offsets they give, in listing order."""
     n = len(listing)
     shapes = np.zeros((n, 3), np.int64)
+    pixels = np.zeros(n, np.int64)
     state = np.full(n, fmt.EMPTY, np.uint32)
     for i in range(n):
         try:
@@ -219,125 +288,183 @@ def plan_layout(listing: Listing, opts: Options) -> _Plan:
             hw = None
         if hw is None:
             continue
+        pixels[i] = hw[0] * hw[1]
         if hw[0] * hw[1] > opts.max_pixels:
             state[i] = fmt.BAD_TOO_LARGE
             continue
         shapes[i] = opts.output_shape(*hw)
     offsets, data_bytes = fmt.layout_offsets(np.prod(shapes, axis=1))
-    return _Plan(shapes, offsets, data_bytes, state)
+    return _Plan(shapes, offsets, data_bytes, state, pixels)
 
 
-def _build(
-    listing: Listing,
-    opts: Options,
-    folder: Path,
-    previous: fmt.CacheFiles | None,
-    fingerprints: dict[str, str],
-    workers: int | None,
-    strict: bool,
-    progress: ProgressFn | None,
-) -> BuildReport:
-    _remove_stale_generations(folder, previous)
+@dataclass
+class _Generation:
+    """A new generation being written: its layout, and every record's outcome so far."""
+
+    folder: Path
+    gen: str
+    listing: Listing
+    plan: _Plan
+    state: np.ndarray
+    crcs: np.ndarray
+    messages: dict[int, str]
+    overflow: dict[int, np.ndarray]
+    reused: int
+    todo: list[int]  # records to decode, in listing order
+
+    @property
+    def data_path(self) -> Path:
+        return self.folder / fmt.file_name("data", self.gen)
+
+    def jobs(self, records: Iterable[int]) -> list[list[Job]]:
+        """Decode jobs for ``records``, in chunks of ``CHUNK``."""
+        listing, plan = self.listing, self.plan
+        flat = [
+            (
+                i,
+                listing.abspath(i),
+                int(plan.offsets[i]),
+                tuple(int(v) for v in plan.shapes[i]),
+                int(listing.sizes[i]),
+                int(listing.mtimes[i]),
+            )
+            for i in records
+        ]
+        return [flat[k : k + CHUNK] for k in range(0, len(flat), CHUNK)]
+
+    def record(self, results: Iterable[Result]) -> None:
+        """Take decode results: state, crc, decoder message, overflow pixels."""
+        for i, code, crc, message, pixels in results:
+            self.state[i], self.crcs[i] = code, crc
+            if message:
+                self.messages[i] = message
+            if pixels is not None:
+                self.overflow[i] = pixels
+
+
+def _allocate(s: _Session, opts: Options) -> _Generation:
+    """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
+    _remove_stale_generations(s.folder, s.previous)
+    listing = s.listing
     plan = plan_layout(listing, opts)
     n = len(listing)
-    gen = fmt.new_generation()
-    data_path = folder / fmt.file_name("data", gen)
-    crcs = np.zeros(n, np.uint32)
-    state = plan.state.copy()
-    messages: dict[int, str] = {}
-    overflow: dict[int, np.ndarray] = {}
-    reuse = _reusable(previous, listing, fingerprints)
-    _carry_skips(previous, listing, fingerprints, state, messages)
-    try:
-        with open(data_path, "wb") as f:
+    g = _Generation(
+        folder=s.folder,
+        gen=fmt.new_generation(),
+        listing=listing,
+        plan=plan,
+        state=plan.state.copy(),
+        crcs=np.zeros(n, np.uint32),
+        messages={},
+        overflow={},
+        reused=0,
+        todo=[],
+    )
+    _carry_skips(s.previous, listing, s.fingerprints, g.state, g.messages)
+    with _discarded_on_failure(g):
+        with open(g.data_path, "wb") as f:
             f.truncate(plan.data_bytes)  # sparse until written
-        reused = _copy_reused(previous, reuse, plan, data_path, crcs, state)
-        todo = [i for i in range(n) if state[i] == fmt.EMPTY]
-        jobs = [
-            [
-                (
-                    i,
-                    listing.abspath(i),
-                    int(plan.offsets[i]),
-                    tuple(int(v) for v in plan.shapes[i]),
-                    int(listing.sizes[i]),
-                    int(listing.mtimes[i]),
-                )
-                for i in todo[k : k + CHUNK]
-            ]
-            for k in range(0, len(todo), CHUNK)
-        ]
-        done = 0
-        for results in _run_jobs(jobs, str(data_path), opts, workers):
-            for i, code, crc, message, pixels in results:
-                state[i], crcs[i] = code, crc
-                if message:
-                    messages[i] = message
-                if pixels is not None:
-                    overflow[i] = pixels
-            done += len(results)
-            if progress is not None:
-                progress(done, len(todo))
-        keep = np.flatnonzero(state == fmt.FILLED)
-        skipped = [
-            {
-                "path": listing.paths[i],
-                "reason": messages.get(i) or fmt.BAD_REASONS[int(state[i])],
-                "size": int(listing.sizes[i]),
-                "mtime_ns": int(listing.mtimes[i]),
-            }
-            for i in np.flatnonzero(state != fmt.FILLED)
-        ]
-        if strict and skipped:
-            names = "; ".join(f"{s['path']}: {s['reason']}" for s in skipped[:5])
-            more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-            raise StrictBuildError(
-                f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
-            )
-        offsets, data_bytes = plan.offsets.copy(), plan.data_bytes
-        if overflow:
-            data_bytes = _append_overflow(data_path, overflow, plan, offsets, data_bytes)
-        warnings = [
-            {"path": listing.paths[i], "reason": messages[i]} for i in keep if i in messages
-        ]
-        manifest = _write_generation(
-            folder,
-            gen,
-            listing,
-            opts,
-            plan,
-            offsets,
-            data_bytes,
-            keep,
-            crcs,
-            fingerprints,
-            skipped,
-            warnings,
-        )
+        reuse = _reusable(s.previous, listing, s.fingerprints)
+        g.reused = _copy_reused(s.previous, reuse, plan, g.data_path, g.crcs, g.state)
+    g.todo = [i for i in range(n) if g.state[i] == fmt.EMPTY]
+    return g
+
+
+@contextmanager
+def _discarded_on_failure(g: _Generation) -> Iterator[None]:
+    """Delete the new generation's files if anything fails (or is interrupted) inside."""
+    try:
+        yield
     except BaseException as e:
-        _remove_generation(folder, gen)
+        _remove_generation(g.folder, g.gen)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(
-                f"{folder}: the disk is full ({e.strerror}); the cache needs "
-                f"{plan.data_bytes:,} bytes of pixels. Nothing was published; the previous "
+                f"{g.folder}: the disk is full ({e.strerror}); the cache needs "
+                f"{g.plan.data_bytes:,} bytes of pixels. Nothing was published; the previous "
                 "cache, if any, is intact"
             ) from None
         raise
-    fmt.write_manifest(manifest)
-    if previous is not None:
-        _remove_generation(folder, previous.manifest.generation)
-    return BuildReport(
-        cache=folder,
+
+
+def _decode_records(
+    jobs: list[list[Job]],
+    data_path: Path,
+    opts: Options,
+    workers: int | None,
+    progress: ProgressFn | None,
+) -> Iterator[Result]:
+    """Decode ``jobs`` into ``data_path``; yields each record's result as its chunk finishes."""
+    total = sum(len(chunk) for chunk in jobs)
+    done = 0
+    for results in _run_jobs(jobs, str(data_path), opts, workers):
+        yield from results
+        done += len(results)
+        if progress is not None:
+            progress(done, total)
+
+
+def _finish(
+    g: _Generation, s: _Session, opts: Options, strict: bool
+) -> tuple[fmt.Manifest, BuildReport]:
+    """Check strictness, place overflow records, write and flush the generation's files."""
+    listing, plan = g.listing, g.plan
+    keep = np.flatnonzero(g.state == fmt.FILLED)
+    skipped = [
+        {
+            "path": listing.paths[i],
+            "reason": g.messages.get(i) or fmt.BAD_REASONS[int(g.state[i])],
+            "size": int(listing.sizes[i]),
+            "mtime_ns": int(listing.mtimes[i]),
+        }
+        for i in np.flatnonzero(g.state != fmt.FILLED)
+    ]
+    if strict and skipped:
+        names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
+        more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+        raise StrictBuildError(
+            f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
+        )
+    offsets, data_bytes = plan.offsets.copy(), plan.data_bytes
+    if g.overflow:
+        data_bytes = _append_overflow(g.data_path, g.overflow, plan, offsets, data_bytes)
+    warnings = [
+        {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
+    ]
+    manifest = _write_generation(
+        g.folder,
+        g.gen,
+        listing,
+        opts,
+        plan,
+        offsets,
+        data_bytes,
+        keep,
+        g.crcs,
+        s.fingerprints,
+        skipped,
+        warnings,
+    )
+    previous = s.previous
+    report = BuildReport(
+        cache=g.folder,
         images=len(keep),
         classes=len(listing.classes),
         bytes=data_bytes,
         seconds=0.0,
-        decoded=len(todo),
-        reused=reused,
-        dropped=0 if previous is None else previous.manifest.count - reused,
+        decoded=len(g.todo),
+        reused=g.reused,
+        dropped=0 if previous is None else previous.manifest.count - g.reused,
         skipped=skipped,
         warnings=warnings,
     )
+    return manifest, report
+
+
+def _publish(s: _Session, manifest: fmt.Manifest) -> None:
+    """Make ``manifest`` the cache's current version, then delete the previous generation."""
+    fmt.write_manifest(manifest)
+    if s.previous is not None:
+        _remove_generation(s.folder, s.previous.manifest.generation)
 
 
 def _reusable(

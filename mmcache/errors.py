@@ -19,6 +19,7 @@ __all__ = [
     "StrictBuildError",
     "InsufficientSpaceError",
     "DestinationError",
+    "DistributedBuildError",
     "StaleCacheWarning",
 ]
 
@@ -71,6 +72,10 @@ class InsufficientSpaceError(CacheError, OSError):
 
 class DestinationError(CacheError, OSError):
     """The cache cannot be written where it was asked to be (permissions, a file in the way)."""
+
+
+class DistributedBuildError(CacheError, RuntimeError):
+    """A rank of a distributed build failed, died or timed out; nothing was published."""
 
 
 class StaleCacheWarning(UserWarning):
