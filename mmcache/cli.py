@@ -8,15 +8,18 @@ Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
-from .errors import CacheError
+from .errors import CacheError, DistributedBuildError
 
 
 def _human_bytes(n: float) -> str:
@@ -107,7 +110,18 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    bar = _Progress("decoding")
+    # torchrun sets WORLD_SIZE and RANK: then every rank runs this and they build together.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .distributed import torchrun_process_group
+
+        rank = int(os.environ.get("RANK", "0"))
+        with torchrun_process_group(args.dist_timeout), _sigterm_fails(rank):
+            return _run_build(args, rank, "decoding (rank 0's share)")
+    return _run_build(args, 0, "decoding")
+
+
+def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
+    bar = _Progress(desc) if rank == 0 else None  # one bar: several would garble the terminal
     try:
         report = build_cache(
             args.source,
@@ -115,12 +129,32 @@ def _cmd_build(args: argparse.Namespace) -> int:
             workers=args.workers,
             strict=args.strict,
             progress=bar,
+            dist_timeout=args.dist_timeout,
             **_preprocessing_kwargs(args),
         )
     finally:
-        bar.close()
-    _print_build(report, print)
+        if bar is not None:
+            bar.close()
+    if rank == 0:
+        _print_build(report, print)
     return 0
+
+
+@contextmanager
+def _sigterm_fails(rank: int) -> Iterator[None]:
+    """Turn SIGTERM into an error, so a rank stopped by torchrun cleans up and says why."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise DistributedBuildError(
+            f"rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails); "
+            "nothing was published"
+        )
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -182,6 +216,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=None, help="decode processes (default: cores)")
     b.add_argument(
         "--strict", action="store_true", help="fail, publishing nothing, if any file is bad"
+    )
+    b.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for the others before the build fails "
+        "(default 1800)",
     )
     b.set_defaults(func=_cmd_build)
 
