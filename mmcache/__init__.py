@@ -11,6 +11,7 @@ when first used.
 
 from ._version import __version__
 from .build import BuildReport, build_cache
+from .copying import CopyReport, copy_cache
 from .decode import Options, decode_image
 from .errors import (
     CacheError,
@@ -35,6 +36,7 @@ __all__ = [
     "CacheFormatError",
     "CacheNotFoundError",
     "CacheStaleError",
+    "CopyReport",
     "DecodeError",
     "DestinationError",
     "DistributedBuildError",
@@ -46,6 +48,7 @@ __all__ = [
     "StaleCacheWarning",
     "StrictBuildError",
     "build_cache",
+    "copy_cache",
     "decode_image",
     "scan_source",
 ]

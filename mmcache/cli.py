@@ -33,14 +33,20 @@ def _human_bytes(n: float) -> str:
 class _Progress:
     """A tqdm bar fed by a library ``progress(done, total)`` callback."""
 
-    def __init__(self, desc: str, unit: str = "img") -> None:
-        self.desc, self.unit, self.bar = desc, unit, None
+    def __init__(self, desc: str, unit: str = "img", scale: bool = False) -> None:
+        self.desc, self.unit, self.scale, self.bar = desc, unit, scale, None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                desc=self.desc,
+                unit=self.unit,
+                unit_scale=self.scale,
+                file=sys.stderr,
+            )
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()
@@ -157,6 +163,22 @@ def _sigterm_fails(rank: int) -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from .copying import copy_cache
+
+    bar = _Progress("copying", unit="B", scale=True)
+    try:
+        report = copy_cache(args.cache, args.dest, progress=bar)
+    finally:
+        bar.close()
+    print(
+        f"{report.dest}: {report.images:,} images, {_human_bytes(report.bytes)} "
+        f"({_human_bytes(report.copied)} copied, holes skipped), {report.seconds:.1f} s, "
+        f"{_human_bytes(report.bytes_per_second)}/s; {report.verified:,} records verified"
+    )
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -226,6 +248,11 @@ def _parser() -> argparse.ArgumentParser:
         "(default 1800)",
     )
     b.set_defaults(func=_cmd_build)
+
+    c = sub.add_parser("copy", help="copy a cache (to a node's local disk) and verify the copy")
+    c.add_argument("cache", help="the cache folder to copy")
+    c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
+    c.set_defaults(func=_cmd_copy)
 
     d = sub.add_parser("demo", help="generate images, build a cache, compare epoch times")
     d.add_argument("--images", type=int, default=1000)

@@ -1,4 +1,4 @@
-"""Distributed build under torchrun (real processes, gloo): equal to one process, fails cleanly."""
+"""Scale-out under torchrun (real processes, gloo): distributed build, DDP example, copy_cache."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from conftest import make_folder, write_image
 
 import mmcache.build
-from mmcache import build_cache
+from mmcache import CacheFormatError, build_cache, copy_cache
 from mmcache import format as fmt
+from mmcache.cli import main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -138,3 +139,67 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_cache(source, tmp_pat
         line = [x for x in errors[0].splitlines() if x.startswith("mmcache: error:")]
         assert len(line) == 1 and "rank 0" in line[0], errors[0]
         assert "Traceback" not in errors[0]
+
+
+def test_copy_cache_equals_the_source_and_replaces_an_old_copy(small_folder, tmp_path, capsys):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    dest = tmp_path / "node" / "cache"
+    seen = []
+    report = copy_cache(tmp_path / "cache", dest, progress=lambda done, total: seen.append(done))
+    assert records(dest) == records(tmp_path / "cache")
+    assert (report.images, report.verified) == (12, 12) and seen[-1] == report.copied
+    first = fmt.read_manifest(dest).generation
+    assert main(["copy", str(tmp_path / "cache"), str(dest)]) == 0  # a new generation replaces it
+    assert "12 records verified" in capsys.readouterr().out
+    m = fmt.read_manifest(dest)
+    assert m.generation != first and records(dest) == records(tmp_path / "cache")
+    assert set(os.listdir(dest)) == {"manifest.json", "lock", *m.to_json()["files"].values()}
+
+
+def test_copy_keeps_a_sparse_data_file_sparse(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(256, 192)] * 4})
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=1)
+    # Make it a lazy cache with only record 0 filled: records 1-3 are holes (~440 KB).
+    m = fmt.read_manifest(cache)
+    files = fmt.read_cache_files(m)
+    record0 = m.file("data").read_bytes()[: 256 * 192 * 3]
+    os.unlink(m.file("data"))
+    with open(m.file("data"), "wb") as f:
+        f.truncate(m.sizes["data"])
+        f.write(record0)
+    state = files.state.copy()
+    state[1:] = (0, fmt.EMPTY)
+    state.tofile(m.file("state"))
+    manifest = cache / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"mode": "build"', '"mode": "lazy"'))
+    assert fmt.read_manifest(cache).mode == "lazy"
+
+    report = copy_cache(cache, tmp_path / "copy")
+    assert records(tmp_path / "copy") == records(cache)
+    assert report.verified == 1 and report.copied < m.sizes["data"] // 2
+    copied = fmt.read_manifest(tmp_path / "copy").file("data").stat()
+    assert copied.st_size == m.sizes["data"]
+    assert copied.st_blocks * 512 < m.sizes["data"] // 2  # the holes stayed holes
+
+
+def test_a_corrupted_copy_is_detected_and_not_published(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    dest = tmp_path / "copy"
+    copy_cache(tmp_path / "cache", dest)
+    before, names = records(dest), set(os.listdir(dest))
+
+    def corrupt_when_copied(done: int, total: int) -> None:
+        if done == total:  # flip one byte of record 5 in the new, unpublished data file
+            current = fmt.read_manifest(dest).file("data").name
+            (new,) = [p for p in dest.glob("data-*.bin") if p.name != current]
+            offset = int(fmt.read_cache_files(fmt.read_manifest(dest)).index["offset"][5])
+            with open(new, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
+
+    with pytest.raises(CacheFormatError, match=r"record 5 .* CRC-32"):
+        copy_cache(tmp_path / "cache", dest, progress=corrupt_when_copied)
+    assert records(dest) == before and set(os.listdir(dest)) == names
