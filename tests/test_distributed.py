@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,27 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_cache(source, tmp_pat
         line = [x for x in errors[0].splitlines() if x.startswith("mmcache: error:")]
         assert len(line) == 1 and "rank 0" in line[0], errors[0]
         assert "Traceback" not in errors[0]
+
+
+def test_the_ddp_example_trains_from_a_cache(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    run = torchrun(
+        2,
+        str(ROOT / "tools" / "train_ddp.py"),
+        str(tmp_path / "cache"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--workers",
+        "0",
+        "--input-size",
+        "16",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "12 images, 3 classes, 2 ranks (gloo, cpu)" in run.stdout
+    loss, rate = re.search(r"epoch 1: 2 steps, loss ([\d.]+), ([\d,]+) img/s", run.stdout).groups()
+    assert 0 < float(loss) < 10 and int(rate.replace(",", "")) > 0
 
 
 def test_copy_cache_equals_the_source_and_replaces_an_old_copy(small_folder, tmp_path, capsys):
