@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import make_folder, write_image
 
@@ -62,6 +63,21 @@ def source(tmp_path: Path) -> Path:
     (src / "b" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     write_image(src / "c" / "big.png", 50, 20, seed=99)
     return src
+
+
+def test_shares_balance_pixels_not_files():
+    from mmcache.distributed import balanced_shares
+
+    cost = np.array([400, 100, 100, 100, 100, 0, 100])  # 0: unknown, counts as the mean (150)
+    shares = balanced_shares(np.arange(7), cost, 2)
+    assert [s.tolist() for s in shares] == [[0, 1], [2, 3, 4, 5, 6]]  # 500 and 550 pixels
+    assert [len(s) for s in balanced_shares(np.arange(2), np.ones(2), 3)] in ([1, 1, 0], [1, 0, 1])
+    assert [len(s) for s in balanced_shares(np.arange(0), np.ones(0), 3)] == [0, 0, 0]
+
+
+def test_distributed_true_needs_a_process_group(small_folder, tmp_path):
+    with pytest.raises(ValueError, match="init_process_group"):
+        build_cache(small_folder, tmp_path / "cache", distributed=True)
 
 
 def test_two_ranks_build_what_one_process_builds(source, tmp_path):
