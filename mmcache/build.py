@@ -15,6 +15,7 @@ import errno
 import fcntl
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 import zlib
@@ -126,32 +127,52 @@ def build_cache(
     start = time.perf_counter()
     listing = scan_source(source)
     folder = Path(cache).expanduser().absolute()
-    _prepare_folder(folder)
-    with _locked(folder):
-        previous = _read_previous(folder)
-        fingerprints = {
-            "listing": listing.fingerprint(),
-            "options": opts.fingerprint(),
-            "decoder": decoder_fingerprint(),
-        }
-        if previous is not None and _is_current(previous, fingerprints):
-            m = previous.manifest
-            return BuildReport(
-                cache=folder,
-                images=m.count,
-                classes=len(m.classes),
-                bytes=m.sizes["data"],
-                seconds=time.perf_counter() - start,
-                up_to_date=True,
-                skipped=m.skipped,
-                warnings=m.warnings,
+    created = _prepare_folder(folder)
+    try:
+        with _locked(folder):
+            report = _build_locked(
+                listing, opts, folder, workers=workers, strict=strict, progress=progress
             )
-        report = _build(listing, opts, folder, previous, fingerprints, workers, strict, progress)
+    except BaseException:
+        if created:  # a first build that failed leaves no folder behind
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _prepare_folder(folder: Path) -> None:
+def _build_locked(
+    listing: Listing,
+    opts: Options,
+    folder: Path,
+    *,
+    workers: int | None,
+    strict: bool,
+    progress: ProgressFn | None,
+) -> BuildReport:
+    previous = _read_previous(folder)
+    fingerprints = {
+        "listing": listing.fingerprint(),
+        "options": opts.fingerprint(),
+        "decoder": decoder_fingerprint(),
+    }
+    if previous is not None and _is_current(previous, fingerprints):
+        m = previous.manifest
+        return BuildReport(
+            cache=folder,
+            images=m.count,
+            classes=len(m.classes),
+            bytes=m.sizes["data"],
+            seconds=0.0,
+            up_to_date=True,
+            skipped=m.skipped,
+            warnings=m.warnings,
+        )
+    return _build(listing, opts, folder, previous, fingerprints, workers, strict, progress)
+
+
+def _prepare_folder(folder: Path) -> bool:
+    """Check that ``folder`` is free or an mmcache cache, create it; True if it was created."""
     if folder.exists() and not folder.is_dir():
         raise NotACacheError(f"{folder}: a file is in the way; choose another cache path")
     if folder.is_dir():
@@ -161,13 +182,14 @@ def _prepare_folder(folder: Path) -> None:
                 f"{folder}: exists and is not an mmcache cache (it holds {strangers[0]!r}"
                 f"{' and more' if len(strangers) > 1 else ''}); refusing to write into it"
             )
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        # Opening the lock file for writing is the write test: it is created on the first build.
+        os.close(os.open(folder / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666))
     except OSError as e:
         raise DestinationError(f"{folder}: cannot write the cache here ({e.strerror})") from None
+    return created
 
 
 @contextmanager
