@@ -32,6 +32,7 @@ from ._version import __version__
 from .decode import (
     Options,
     StderrCapture,
+    decoder_accepted,
     decoder_fingerprint,
     decoder_versions,
     preprocess,
@@ -69,6 +70,7 @@ class BuildReport:
     reused: int = 0
     dropped: int = 0
     up_to_date: bool = False
+    trusted_decoder: bool = False
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
 
@@ -91,6 +93,7 @@ def build_cache(
     strict: bool = False,
     progress: ProgressFn | None = None,
     force: bool = False,
+    trust_decoder: bool = False,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
 
@@ -110,6 +113,9 @@ def build_cache(
         strict: fail, leaving no new cache, if any file cannot be decoded.
         progress: called as ``progress(done, total)`` while decoding.
         force: start even when the destination lacks the free space the cache needs.
+        trust_decoder: keep a cache made by another decoder version (its pixels may differ
+            slightly from what this machine decodes) instead of decoding everything again, and
+            record that choice in its manifest as ``"trusted_decoder"``.
 
     Example:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
@@ -137,8 +143,19 @@ def build_cache(
             "options": opts.fingerprint(),
             "decoder": decoder_fingerprint(),
         }
-        if previous is not None and _is_current(previous, fingerprints):
+        # What the previous cache must match: its own decoder counts as this one when a user
+        # trusted it (now, or in an earlier build).
+        same = fingerprints
+        if previous is not None:
+            same = _decoder_trust(previous.manifest, fingerprints, trust_decoder)
+        if previous is not None and _is_current(previous, same):
             m = previous.manifest
+            newly_trusted = not decoder_accepted(
+                m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
+            )
+            if newly_trusted:
+                m.extra["trusted_decoder"] = _trust_record(decoder_versions())
+                fmt.write_manifest(m)
             return BuildReport(
                 cache=folder,
                 images=m.count,
@@ -146,12 +163,14 @@ def build_cache(
                 bytes=m.sizes["data"],
                 seconds=time.perf_counter() - start,
                 up_to_date=True,
+                trusted_decoder=newly_trusted,
                 skipped=m.skipped,
                 warnings=m.warnings,
             )
         report = _build(
-            listing, opts, folder, previous, fingerprints, workers, strict, progress, force
+            listing, opts, folder, previous, fingerprints, workers, strict, progress, force, same
         )
+        report.trusted_decoder = report.reused > 0 and same != fingerprints
     report.seconds = time.perf_counter() - start
     return report
 
@@ -193,6 +212,33 @@ def _read_previous(folder: Path) -> fmt.CacheFiles | None:
         return None
     except CacheError:
         return None  # a damaged cache is rebuilt from scratch; nothing of it is reused
+
+
+def _trust_record(versions: dict[str, str]) -> dict:
+    return {
+        "versions": versions,
+        "fingerprint": decoder_fingerprint(versions),
+        "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _decoder_trust(m: fmt.Manifest, fingerprints: dict[str, str], trust: bool) -> dict[str, str]:
+    """The fingerprints cache ``m`` must match to be current or to lend records: its decoder
+    counts as this machine's when the user trusts it now (``trust``) or trusted it before."""
+    recorded = m.fingerprints.get("decoder")
+    if recorded != fingerprints["decoder"] and (
+        trust or decoder_accepted(recorded, m.extra.get("trusted_decoder"))
+    ):
+        return {**fingerprints, "decoder": recorded}
+    return fingerprints
+
+
+def _carried_trust(m: fmt.Manifest, same: dict[str, str], fingerprints: dict[str, str]):
+    """The ``trusted_decoder`` record of a generation that reuses records of cache ``m``: the
+    other decoder whose pixels it keeps (``m``'s own, or the one ``m`` already trusted)."""
+    if same["decoder"] != fingerprints["decoder"]:
+        return _trust_record(m.decoder)
+    return m.extra.get("trusted_decoder")
 
 
 def _is_current(previous: fmt.CacheFiles, fingerprints: dict[str, str]) -> bool:
@@ -262,7 +308,11 @@ def _build(
     strict: bool,
     progress: ProgressFn | None,
     force: bool = False,
+    same: dict[str, str] | None = None,
 ) -> BuildReport:
+    """Write and publish a new generation; ``same`` are the fingerprints a previous cache's
+    records must match to be reused (``fingerprints`` unless its decoder is trusted)."""
+    same = fingerprints if same is None else same
     _remove_stale_generations(folder, previous)
     plan = plan_layout(listing, opts)
     # Before anything is written: the whole new generation, while the old one stays on disk.
@@ -275,8 +325,8 @@ def _build(
     state = plan.state.copy()
     messages: dict[int, str] = {}
     overflow: dict[int, np.ndarray] = {}
-    reuse = _reusable(previous, listing, fingerprints)
-    _carry_skips(previous, listing, fingerprints, state, messages)
+    reuse = _reusable(previous, listing, same)
+    _carry_skips(previous, listing, same, state, messages)
     try:
         with open(data_path, "wb") as f:
             f.truncate(plan.data_bytes)  # sparse until written
@@ -343,6 +393,9 @@ def _build(
             skipped,
             warnings,
         )
+        trusted = _carried_trust(previous.manifest, same, fingerprints) if reused else None
+        if trusted is not None:
+            manifest.extra["trusted_decoder"] = trusted
     except BaseException as e:
         _remove_generation(folder, gen)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):

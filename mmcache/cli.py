@@ -113,11 +113,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
             strict=args.strict,
             progress=bar,
             force=args.force,
+            trust_decoder=args.trust_decoder,
             **_preprocessing_kwargs(args),
         )
     finally:
         bar.close()
     _print_build(report, print)
+    if report.trusted_decoder:
+        print("  kept pixels decoded by another decoder version (--trust-decoder, recorded)")
     return 0
 
 
@@ -257,6 +260,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--force", action="store_true", help="build even if the disk seems to lack the space"
+    )
+    b.add_argument(
+        "--trust-decoder",
+        action="store_true",
+        help="keep a cache made by another decoder version instead of decoding it again",
     )
     b.set_defaults(func=_cmd_build)
 
