@@ -25,11 +25,13 @@ from .errors import (
     StaleCacheWarning,
     StrictBuildError,
 )
+from .plan import CachePlan, check_free_space, plan_cache
 from .scan import scan_source
 
 __all__ = [
     "__version__",
     "BuildReport",
+    "CachePlan",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
@@ -44,7 +46,9 @@ __all__ = [
     "StaleCacheWarning",
     "StrictBuildError",
     "build_cache",
+    "check_free_space",
     "decode_image",
+    "plan_cache",
     "scan_source",
 ]
 

@@ -19,7 +19,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from . import format as fmt
-from .decode import decoder_fingerprint, decoder_versions
+from .decode import decoder_accepted, decoder_versions
 from .errors import CacheFormatError, CacheStaleError, DecodeError, StaleCacheWarning
 from .scan import Listing, diff_listings, scan_source
 
@@ -199,9 +199,10 @@ def stale_reason(files: fmt.CacheFiles) -> str | None:
     """Why a cache no longer matches its source or decoder, or None if it still does."""
     m = files.manifest
     reasons = []
-    if m.fingerprints.get("decoder") != decoder_fingerprint():
+    if not decoder_accepted(m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")):
         reasons.append(
-            f"it was decoded by {_versions(m.decoder)}, this machine decodes with {_versions(None)}"
+            f"it was decoded by {_versions(m.decoder)}, this machine decodes with "
+            f"{_versions(None)} (`mmcache build --trust-decoder` keeps it as it is)"
         )
     root = Path(m.source.get("root", ""))
     source = m.source.get("list_file") if m.source.get("kind") == "list" else root
