@@ -25,11 +25,13 @@ from .errors import (
     StaleCacheWarning,
     StrictBuildError,
 )
+from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
 
 __all__ = [
     "__version__",
     "BuildReport",
+    "CacheInfo",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
@@ -40,15 +42,21 @@ __all__ = [
     "MemmapImageDataset",
     "NotACacheError",
     "Options",
+    "QuasiRandomSampler",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
+    "WarmReport",
     "build_cache",
+    "cache_info",
     "decode_image",
+    "evict_cache",
     "scan_source",
+    "warm_cache",
 ]
 
 _TORCH_PARTS = {"MemmapImageDataset": "dataset"}
+_TORCH_PARTS["QuasiRandomSampler"] = "sampler"
 
 
 def __getattr__(name: str):

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from . import format as fmt
 from .errors import CacheFormatError, CacheStaleError, DecodeError, StaleCacheWarning
+from .residency import WarmReport, start_warming
 from .staleness import stale_reason
 
 ON_STALE = ("warn", "error", "ignore")
@@ -40,6 +41,10 @@ class MemmapImageDataset(Dataset):
             another decoder version: ``"warn"`` (a ``StaleCacheWarning`` with a summary),
             ``"error"`` (raise ``CacheStaleError``) or ``"ignore"`` (skip the check, which scans
             the source folder). A source that is not there (a copied cache) is not checked.
+        warm: read the cache into the page cache in a background thread of this process (not
+            of DataLoader workers) while training starts: ``True`` within the default budget
+            (90% of RAM), or a budget such as ``"80%"`` or ``"8G"`` (see ``warm_cache``).
+            ``wait_warm()`` waits for it and returns its ``WarmReport``.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -57,6 +62,7 @@ class MemmapImageDataset(Dataset):
         transform: Callable[[np.ndarray], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
         on_stale: str = "warn",
+        warm: bool | str | int = False,
     ) -> None:
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
@@ -73,6 +79,7 @@ class MemmapImageDataset(Dataset):
                 if on_stale == "error":
                     raise CacheStaleError(message)
                 warnings.warn(message, StaleCacheWarning, stacklevel=2)
+        self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _attach(self, files: fmt.CacheFiles) -> None:
         """Keep what ``__getitem__`` needs as plain arrays; the pixels are mapped on first read."""
@@ -123,6 +130,7 @@ class MemmapImageDataset(Dataset):
             state.pop(key, None)
         state["_files"] = None
         state["_data"] = None
+        state["_warm_thread"] = None  # a thread does not pickle; workers do not warm
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -154,6 +162,12 @@ class MemmapImageDataset(Dataset):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return img, target
+
+    def wait_warm(self, timeout: float | None = None) -> WarmReport | None:
+        """Wait for the ``warm=`` background read; its report, or None if none ran (or it is
+        still running after ``timeout`` seconds). An error it met is raised here."""
+        thread = getattr(self, "_warm_thread", None)
+        return None if thread is None else thread.result(timeout)
 
     # torchvision ImageFolder's attributes ---------------------------------------------------
 
