@@ -229,8 +229,8 @@ def _resident_in(fd: int, start: int, stop: int) -> int | None:
 def memory() -> Memory:
     """Total and available RAM: psutil's, or this process's memory cgroup's if smaller.
 
-    A group's available memory is its limit minus what its processes hold (its usage less its
-    page cache, which the kernel reclaims before failing an allocation).
+    A group's available memory is its limit minus what its processes hold: its usage less its
+    reclaimable page cache (file pages, not shared memory).
     """
     vm = psutil.virtual_memory()
     host = Memory(int(vm.total), int(vm.available))
@@ -250,10 +250,10 @@ def _cgroup_memory() -> tuple[int, int] | None:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache", "total_shmem")
             mounts = [Path("/sys/fs/cgroup/memory")]
         elif controllers == "":
-            files = ("memory.max", "memory.current", "file")
+            files = ("memory.max", "memory.current", "file", "shmem")
             mounts = [Path("/sys/fs/cgroup")]
         else:
             continue
@@ -268,10 +268,16 @@ def _cgroup_memory() -> tuple[int, int] | None:
                 continue
             if raw_limit == "max":
                 return None
-            m = re.search(rf"^{files[2]} (\d+)$", stat, re.M)
-            cache = int(m.group(1)) if m else 0
-            return int(raw_limit), max(0, usage - cache)
+            # Shared memory (DataLoader batches in /dev/shm) is counted as cache, but without
+            # swap the kernel cannot reclaim it: only file pages less shmem are reclaimable.
+            cache, shmem = (_stat(stat, key) for key in files[2:])
+            return int(raw_limit), max(0, usage - cache + shmem)
     return None
+
+
+def _stat(text: str, key: str) -> int:
+    m = re.search(rf"^{key} (\d+)$", text, re.M)
+    return int(m.group(1)) if m else 0
 
 
 def parse_memory(text: str | int, total: int) -> int:
