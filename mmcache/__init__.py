@@ -26,12 +26,14 @@ from .errors import (
     StrictBuildError,
 )
 from .plan import CachePlan, check_free_space, plan_cache
+from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
 
 __all__ = [
     "__version__",
     "BuildReport",
     "CachePlan",
+    "CacheInfo",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
@@ -42,17 +44,23 @@ __all__ = [
     "MemmapImageDataset",
     "NotACacheError",
     "Options",
+    "QuasiRandomSampler",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
+    "WarmReport",
     "build_cache",
     "check_free_space",
     "decode_image",
     "plan_cache",
+    "cache_info",
+    "evict_cache",
     "scan_source",
+    "warm_cache",
 ]
 
 _TORCH_PARTS = {"MemmapImageDataset": "dataset"}
+_TORCH_PARTS["QuasiRandomSampler"] = "sampler"
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -23,15 +24,23 @@ from .space import human_bytes as _human_bytes
 class _Progress:
     """A tqdm bar fed by a library ``progress(done, total)`` callback."""
 
-    def __init__(self, desc: str, unit: str = "img", delay: float = 0.0) -> None:
+    def __init__(
+        self, desc: str, unit: str = "img", delay: float = 0.0, unit_scale: bool = False
+    ) -> None:
         self.desc, self.unit, self.delay, self.bar = desc, unit, delay, None
+        self.unit_scale = unit_scale
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total, desc=self.desc, unit=self.unit, file=sys.stderr, delay=self.delay
+                total=total,
+                desc=self.desc,
+                unit=self.unit,
+                unit_scale=self.unit_scale,
+                delay=self.delay,
+                file=sys.stderr,
             )
         self.bar.update(done - self.bar.n)
         if done >= total:
@@ -239,6 +248,88 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.pixels_equal else 1
 
 
+def _share(part: int | None, whole: int) -> str:
+    if part is None:
+        return "unknown (no mincore here)"
+    return f"{_human_bytes(part)} ({part / whole if whole else 1.0:.0%})"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .residency import cache_info
+
+    info = cache_info(args.cache)
+    if args.json:
+        print(json.dumps(info.to_json(), indent=1, ensure_ascii=False))
+        return 0
+
+    def shape(s: tuple[int, int, int]) -> str:
+        return f"{s[1]}x{s[0]}x{s[2]}"
+
+    if info.min_size is None:
+        sizes = "none"
+    elif info.fixed_size:
+        sizes = f"all {shape(info.min_size)} (WxHxC)"
+    else:
+        sizes = f"{shape(info.min_size)} to {shape(info.max_size)} (WxHxC, by pixels)"
+    options = ", ".join(f"{k}={v}" for k, v in info.options.items() if v is not None)
+    ram = "cgroup limit" if info.cgroup_limited else "RAM"
+    lines = [
+        f"cache:      {info.cache}",
+        f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
+        f"generation {info.generation}",
+        f"images:     {info.images:,} ({info.filled:,} filled), {len(info.classes)} classes, "
+        f"{len(info.skipped)} skipped",
+        f"sizes:      {sizes}",
+        f"options:    {options}",
+        f"data:       {_human_bytes(info.data_bytes)} ({_human_bytes(info.disk_bytes)} on disk, "
+        f"{_human_bytes(info.apparent_bytes)} apparent, all files)",
+        f"resident:   {_share(info.resident_bytes, info.data_bytes)} of the data in the page cache",
+        f"memory:     {_human_bytes(info.ram_total)} {ram}, "
+        f"{_human_bytes(info.ram_available)} available",
+        f"source:     {'changed: ' + info.stale if info.stale else 'unchanged (or not there)'}",
+    ]
+    lines += [f"  skipped {s['path']}: {s['reason']}" for s in info.skipped[:20]]
+    if len(info.skipped) > 20:
+        lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from .residency import warm_cache
+
+    bar = _Progress("warming", unit="B", unit_scale=True)
+    try:
+        report = warm_cache(args.cache, max_memory=args.max_memory, progress=bar)
+    finally:
+        bar.close()
+    print(
+        f"{report.cache}: {_share(report.resident_after, report.data_bytes)} resident "
+        f"(was {_share(report.resident_before, report.data_bytes)}), "
+        f"{_human_bytes(report.read_bytes)} read in {report.seconds:.1f} s"
+        + (
+            f"; stopped at the memory budget of {_human_bytes(report.budget_bytes)}"
+            if report.stopped_by_budget
+            else ""
+        )
+    )
+    return 0
+
+
+def _cmd_evict(args: argparse.Namespace) -> int:
+    from .residency import evict_cache
+
+    after = evict_cache(args.cache)
+    if after is None:
+        status = "evicted (how much stays resident is unknown here: no mincore)"
+    elif after == 0:
+        status = "evicted, none of the data is in the page cache"
+    else:
+        status = f"{_human_bytes(after)} of the data stays resident (mapped by a running process?)"
+    print(f"{args.cache}: {status}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmcache",
@@ -284,6 +375,26 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     d.add_argument("--workdir", help="keep the images and cache here (default: a temp folder)")
     d.set_defaults(func=_cmd_demo)
+
+    i = sub.add_parser("info", help="describe a cache and how much of it is in RAM")
+    i.add_argument("cache")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_cmd_info)
+
+    w = sub.add_parser("warm", help="read a cache into the page cache, within a memory budget")
+    w.add_argument("cache")
+    w.add_argument(
+        "--max-memory",
+        default="90%",
+        metavar="BUDGET",
+        help="stop before memory used by processes plus the cache would pass this: a share "
+        "of RAM (90%%) or a size (8G) (default 90%%)",
+    )
+    w.set_defaults(func=_cmd_warm)
+
+    e = sub.add_parser("evict", help="drop a cache's pages from the page cache")
+    e.add_argument("cache")
+    e.set_defaults(func=_cmd_evict)
     return p
 
 
