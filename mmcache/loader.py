@@ -44,7 +44,9 @@ class BatchLoader:
     buffers, and the batch is ordered before any work you queue on the current stream.
 
     Ending an iteration early (``break``, an exception, dropping the iterator) stops and joins
-    its threads. An error raised in a thread (a bad record, say) is raised from ``next()``.
+    its threads. An error raised in a thread (a record not in the cache, say) is raised from
+    the ``next()`` that would have returned the batch it was filling, after the batches before
+    it; the iteration is then over.
     Starting a new iteration ends the previous one of the same loader (they share the buffers).
 
     Args:
@@ -217,7 +219,8 @@ class _Shared:
         self.released = 0  # batches before this one are given back by the consumer
         # batch number -> (images, labels, CUDA event of its copy to the device or None)
         self.ready: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
-        self.error: BaseException | None = None
+        # (batch number, exception) of the first failure: batches before it are still handed out
+        self.error: tuple[int, BaseException] | None = None
         self.stop = False
 
 
@@ -272,10 +275,10 @@ class _Iteration:
         with shared.cond:
             shared.released = t  # the batch handed out before this one may now be refilled
             shared.cond.notify_all()
-            while t not in shared.ready and shared.error is None:
+            while t not in shared.ready and (shared.error is None or shared.error[0] > t):
                 shared.cond.wait()
-            if shared.error is not None:
-                error = shared.error
+            if t not in shared.ready:
+                error = shared.error[1]
                 shared.error = None
             else:
                 error = None
@@ -321,12 +324,13 @@ def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
 def _work(job: _Job, shared: _Shared, k: int) -> None:
     """A copying thread: take batch numbers in turn, fill each into its slot, publish it."""
     cuda = job.device.type == "cuda"
-    stream = torch.cuda.Stream(job.device) if cuda else None
+    u = -1
     try:
+        stream = torch.cuda.Stream(job.device) if cuda else None
         while True:
             with shared.cond:
                 u = shared.next_batch
-                if u >= job.count or shared.stop:
+                if u >= job.count or shared.stop or shared.error is not None:
                     return
                 shared.next_batch += 1
                 # CPU: slot u % slots last held batch u - slots, given back once the consumer
@@ -347,9 +351,8 @@ def _work(job: _Job, shared: _Shared, k: int) -> None:
                 shared.cond.notify_all()
     except BaseException as e:  # handed to the consumer, which raises it from next()
         with shared.cond:
-            if shared.error is None and not shared.stop:
-                shared.error = e
-            shared.stop = True
+            if shared.error is None or u < shared.error[0]:
+                shared.error = (u, e)
             shared.cond.notify_all()
 
 
