@@ -38,10 +38,12 @@ class BatchLoader:
     Buffer contract (CPU batches, ``device`` None or CPU): a yielded batch is a view of a ring
     buffer and stays valid until you ask for the next batch (the next ``next()`` call, i.e. the
     next turn of the ``for`` loop); from then on its buffer may be refilled. To keep a batch
-    longer, copy it: ``images.clone()``. With a CUDA ``device``, each batch is a new device
-    tensor (from torch's caching allocator, so no real allocation) that stays valid as long as
-    you hold it; the copy to the device runs on a side stream, asynchronously from pinned
-    buffers, and the batch is ordered before any work you queue on the current stream.
+    longer, copy it: ``images.clone()``. Do not ``.to("cuda", non_blocking=True)`` a CPU batch
+    yourself (the copy may outlive the buffer's turn): pass ``device``. With a CUDA ``device``,
+    each batch is a new device tensor (from torch's caching allocator, so no real allocation)
+    that stays valid as long as you hold it; the copy to the device runs on a side stream,
+    asynchronously from pinned buffers, and the batch is ordered before any work you queue on
+    the current stream.
 
     Ending an iteration early (``break``, an exception, dropping the iterator) stops and joins
     its threads. An error raised in a thread (a record not in the cache, say) is raised from
