@@ -5,8 +5,8 @@ Example:
     >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
     >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP
 
-The format, build and decode parts import without torch; ``MemmapImageDataset`` imports torch
-when first used.
+The format, build and decode parts import without torch; ``MemmapImageDataset`` and
+``BatchLoader`` import torch when first used.
 """
 
 from ._version import __version__
@@ -20,6 +20,7 @@ from .errors import (
     DecodeError,
     DestinationError,
     InsufficientSpaceError,
+    MixedShapesError,
     NotACacheError,
     SourceError,
     StaleCacheWarning,
@@ -31,6 +32,7 @@ from .scan import scan_source
 
 __all__ = [
     "__version__",
+    "BatchLoader",
     "BuildReport",
     "CachePlan",
     "CacheInfo",
@@ -42,6 +44,7 @@ __all__ = [
     "DestinationError",
     "InsufficientSpaceError",
     "MemmapImageDataset",
+    "MixedShapesError",
     "NotACacheError",
     "Options",
     "QuasiRandomSampler",
@@ -59,8 +62,11 @@ __all__ = [
     "warm_cache",
 ]
 
-_TORCH_PARTS = {"MemmapImageDataset": "dataset"}
-_TORCH_PARTS["QuasiRandomSampler"] = "sampler"
+_TORCH_PARTS = {
+    "BatchLoader": "loader",
+    "MemmapImageDataset": "dataset",
+    "QuasiRandomSampler": "sampler",
+}
 
 
 def __getattr__(name: str):
