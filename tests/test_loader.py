@@ -116,6 +116,19 @@ def test_distributed_sampler_halves_are_disjoint_and_complete(ds):
     assert sorted(halves[0] + halves[1]) == list(range(N))
 
 
+def test_quasi_random_sampler_drives_the_batch_loader(ds):
+    from mmcache import QuasiRandomSampler
+
+    sampler = QuasiRandomSampler(ds, block_size=4, seed=2, buffer_blocks=2)
+    loader = BatchLoader(ds, 5, sampler=sampler)
+    first, _ = _collect(loader, ds)
+    loader.set_epoch(1)
+    second, _ = _collect(loader, ds)
+    assert sorted(first) == sorted(second) == list(range(N))
+    assert first == list(sampler.__class__(ds, block_size=4, seed=2, buffer_blocks=2))
+    assert first != second
+
+
 def test_a_batch_kept_past_the_ring_is_overwritten_unless_cloned(ds):
     # prefetch=1: a ring of 2 buffers; batch 2 is filled into batch 0's buffer.
     it = iter(BatchLoader(ds, 4, prefetch=1, num_threads=2))
