@@ -5,8 +5,8 @@ Example:
     >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
     >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP
 
-The format, build and decode parts import without torch; ``MemmapImageDataset`` imports torch
-when first used.
+The format, build and decode parts import without torch; ``MemmapImageDataset`` and
+``BatchLoader`` import torch when first used.
 """
 
 from ._version import __version__
@@ -22,16 +22,22 @@ from .errors import (
     DestinationError,
     DistributedBuildError,
     InsufficientSpaceError,
+    MixedShapesError,
     NotACacheError,
     SourceError,
     StaleCacheWarning,
     StrictBuildError,
 )
+from .plan import CachePlan, check_free_space, plan_cache
+from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
 
 __all__ = [
     "__version__",
+    "BatchLoader",
     "BuildReport",
+    "CachePlan",
+    "CacheInfo",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
@@ -42,18 +48,30 @@ __all__ = [
     "DistributedBuildError",
     "InsufficientSpaceError",
     "MemmapImageDataset",
+    "MixedShapesError",
     "NotACacheError",
     "Options",
+    "QuasiRandomSampler",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
+    "WarmReport",
     "build_cache",
     "copy_cache",
+    "check_free_space",
     "decode_image",
+    "plan_cache",
+    "cache_info",
+    "evict_cache",
     "scan_source",
+    "warm_cache",
 ]
 
-_TORCH_PARTS = {"MemmapImageDataset": "dataset"}
+_TORCH_PARTS = {
+    "BatchLoader": "loader",
+    "MemmapImageDataset": "dataset",
+    "QuasiRandomSampler": "sampler",
+}
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from ._version import __version__
 from .decode import (
     Options,
     StderrCapture,
+    decoder_accepted,
     decoder_fingerprint,
     decoder_versions,
     preprocess,
@@ -48,6 +50,7 @@ from .errors import (
 )
 from .probe import probe_size
 from .scan import Listing, scan_source
+from .space import check_free_space, disk_bytes, generation_sizes
 
 # Records per task sent to a decode worker: large enough that the per-task overhead (~100 us)
 # vanishes next to a decode (~2 ms for 720x480), small enough to balance the last tasks.
@@ -69,6 +72,7 @@ class BuildReport:
     reused: int = 0
     dropped: int = 0
     up_to_date: bool = False
+    trusted_decoder: bool = False
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
 
@@ -90,6 +94,8 @@ def build_cache(
     workers: int | None = None,
     strict: bool = False,
     progress: ProgressFn | None = None,
+    force: bool = False,
+    trust_decoder: bool = False,
     distributed: bool | None = None,
     dist_timeout: float = 1800.0,
 ) -> BuildReport:
@@ -111,6 +117,10 @@ def build_cache(
         strict: fail, leaving no new cache, if any file cannot be decoded.
         progress: called as ``progress(done, total)`` while decoding (in a distributed build,
             for this rank's share).
+        force: start even when the destination lacks the free space the cache needs.
+        trust_decoder: keep a cache made by another decoder version (its pixels may differ
+            slightly from what this machine decodes) instead of decoding everything again, and
+            record that choice in its manifest as ``"trusted_decoder"``.
         distributed: build with every rank of the initialised ``torch.distributed`` process
             group (see ``mmcache.distributed``); every rank must then call ``build_cache`` with
             the same arguments, and every rank gets the same report or error. ``None`` (the
@@ -144,13 +154,15 @@ def build_cache(
             workers=workers,
             strict=strict,
             progress=progress,
+            force=force,
+            trust_decoder=trust_decoder,
             timeout=dist_timeout,
         )
     start = time.perf_counter()
-    with _session(source, cache, opts) as s:
+    with _session(source, cache, opts, trust_decoder) as s:
         report = _up_to_date_report(s)
         if report is None:
-            g = _allocate(s, opts)
+            g = _allocate(s, opts, force)
             with _discarded_on_failure(g):
                 g.record(_decode_records(g.jobs(g.todo), g.data_path, opts, workers, progress))
                 manifest, report = _finish(g, s, opts, strict)
@@ -176,36 +188,56 @@ def _in_process_group(distributed: bool | None) -> bool:
 
 @dataclass
 class _Session:
-    """A build holding the cache's writer lock: the listing, the cache found there, fingerprints."""
+    """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
+
+    ``same`` are the fingerprints the previous cache must match to be current or to lend its
+    records: ``fingerprints``, but with its own decoder's when the user trusts that decoder.
+    """
 
     listing: Listing
     folder: Path
     previous: fmt.CacheFiles | None
     fingerprints: dict[str, str]
+    same: dict[str, str]
 
 
 @contextmanager
 def _session(
-    source: str | os.PathLike, cache: str | os.PathLike, opts: Options
+    source: str | os.PathLike, cache: str | os.PathLike, opts: Options, trust_decoder: bool
 ) -> Iterator[_Session]:
     """Scan the source, check the destination, and hold its writer lock while the build runs."""
     listing = scan_source(source)
     folder = Path(cache).expanduser().absolute()
-    _prepare_folder(folder)
-    with _locked(folder):
-        fingerprints = {
-            "listing": listing.fingerprint(),
-            "options": opts.fingerprint(),
-            "decoder": decoder_fingerprint(),
-        }
-        yield _Session(listing, folder, _read_previous(folder), fingerprints)
+    created = _prepare_folder(folder)
+    try:
+        with _locked(folder):
+            previous = _read_previous(folder)
+            fingerprints = {
+                "listing": listing.fingerprint(),
+                "options": opts.fingerprint(),
+                "decoder": decoder_fingerprint(),
+            }
+            same = fingerprints
+            if previous is not None:
+                same = _decoder_trust(previous.manifest, fingerprints, trust_decoder)
+            yield _Session(listing, folder, previous, fingerprints, same)
+    except BaseException:
+        if created:  # a first build that failed leaves no folder behind
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def _up_to_date_report(s: _Session) -> BuildReport | None:
     """The report of a build that has nothing to do, or None if the cache must be (re)built."""
-    if s.previous is None or not _is_current(s.previous, s.fingerprints):
+    if s.previous is None or not _is_current(s.previous, s.same):
         return None
     m = s.previous.manifest
+    newly_trusted = not decoder_accepted(
+        m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
+    )
+    if newly_trusted:
+        m.extra["trusted_decoder"] = _trust_record(decoder_versions())
+        fmt.write_manifest(m)
     return BuildReport(
         cache=s.folder,
         images=m.count,
@@ -213,12 +245,14 @@ def _up_to_date_report(s: _Session) -> BuildReport | None:
         bytes=m.sizes["data"],
         seconds=0.0,
         up_to_date=True,
+        trusted_decoder=newly_trusted,
         skipped=m.skipped,
         warnings=m.warnings,
     )
 
 
-def _prepare_folder(folder: Path) -> None:
+def _prepare_folder(folder: Path) -> bool:
+    """Check that ``folder`` is free or an mmcache cache, create it; True if it was created."""
     if folder.exists() and not folder.is_dir():
         raise NotACacheError(f"{folder}: a file is in the way; choose another cache path")
     if folder.is_dir():
@@ -228,13 +262,14 @@ def _prepare_folder(folder: Path) -> None:
                 f"{folder}: exists and is not an mmcache cache (it holds {strangers[0]!r}"
                 f"{' and more' if len(strangers) > 1 else ''}); refusing to write into it"
             )
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        # Opening the lock file for writing is the write test: it is created on the first build.
+        os.close(os.open(folder / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666))
     except OSError as e:
         raise DestinationError(f"{folder}: cannot write the cache here ({e.strerror})") from None
+    return created
 
 
 @contextmanager
@@ -257,6 +292,33 @@ def _read_previous(folder: Path) -> fmt.CacheFiles | None:
         return None  # a damaged cache is rebuilt from scratch; nothing of it is reused
 
 
+def _trust_record(versions: dict[str, str]) -> dict:
+    return {
+        "versions": versions,
+        "fingerprint": decoder_fingerprint(versions),
+        "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _decoder_trust(m: fmt.Manifest, fingerprints: dict[str, str], trust: bool) -> dict[str, str]:
+    """The fingerprints cache ``m`` must match to be current or to lend records: its decoder
+    counts as this machine's when the user trusts it now (``trust``) or trusted it before."""
+    recorded = m.fingerprints.get("decoder")
+    if recorded != fingerprints["decoder"] and (
+        trust or decoder_accepted(recorded, m.extra.get("trusted_decoder"))
+    ):
+        return {**fingerprints, "decoder": recorded}
+    return fingerprints
+
+
+def _carried_trust(m: fmt.Manifest, same: dict[str, str], fingerprints: dict[str, str]):
+    """The ``trusted_decoder`` record of a generation that reuses records of cache ``m``: the
+    other decoder whose pixels it keeps (``m``'s own, or the one ``m`` already trusted)."""
+    if same["decoder"] != fingerprints["decoder"]:
+        return _trust_record(m.decoder)
+    return m.extra.get("trusted_decoder")
+
+
 def _is_current(previous: fmt.CacheFiles, fingerprints: dict[str, str]) -> bool:
     m = previous.manifest
     return all(m.fingerprints.get(k) == v for k, v in fingerprints.items()) and bool(
@@ -277,24 +339,43 @@ class _Plan:
 
 def plan_layout(listing: Listing, opts: Options) -> _Plan:
     """Shapes from headers (no decoding) and the offsets they give, in listing order."""
+    return layout_from_sizes(probe_sizes(listing), opts)
+
+
+def probe_sizes(listing: Listing, progress: ProgressFn | None = None) -> np.ndarray:
+    """Native ``(height, width)`` of each listed file from its header; ``(0, 0)`` if unreadable."""
     n = len(listing)
-    shapes = np.zeros((n, 3), np.int64)
-    pixels = np.zeros(n, np.int64)
-    state = np.full(n, fmt.EMPTY, np.uint32)
+    hw = np.zeros((n, 2), np.int64)
     for i in range(n):
         try:
-            hw = probe_size(listing.abspath(i))
+            size = probe_size(listing.abspath(i))
         except OSError:
-            hw = None
-        if hw is None:
-            continue
-        pixels[i] = hw[0] * hw[1]
-        if hw[0] * hw[1] > opts.max_pixels:
-            state[i] = fmt.BAD_TOO_LARGE
-            continue
-        shapes[i] = opts.output_shape(*hw)
+            size = None
+        if size is not None:
+            hw[i] = size
+        # ~15 us per probe: a call every 4096 files costs nothing and updates a bar 15x a second.
+        if progress is not None and ((i + 1) % 4096 == 0 or i + 1 == n):
+            progress(i + 1, n)
+    return hw
+
+
+def layout_from_sizes(hw: np.ndarray, opts: Options) -> _Plan:
+    """The layout of records of native sizes ``hw`` (as ``probe_sizes`` gives) under ``opts``."""
+    n = len(hw)
+    shapes = np.zeros((n, 3), np.int64)
+    state = np.full(n, fmt.EMPTY, np.uint32)
+    known = hw[:, 0] > 0
+    too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
+    state[too_large] = fmt.BAD_TOO_LARGE
+    ok = known & ~too_large
+    if ok.any():
+        # Files share sizes (a camera's few resolutions), so each distinct size is shaped once;
+        # one int64 key per size sorts ~10x faster than np.unique(axis=0) on the pairs.
+        keys, inverse = np.unique(hw[ok, 0] << 32 | hw[ok, 1], return_inverse=True)
+        shaped = np.array([opts.output_shape(int(k >> 32), int(k & 0xFFFFFFFF)) for k in keys])
+        shapes[ok] = shaped.reshape(-1, 3)[inverse.reshape(-1)]
     offsets, data_bytes = fmt.layout_offsets(np.prod(shapes, axis=1))
-    return _Plan(shapes, offsets, data_bytes, state, pixels)
+    return _Plan(shapes, offsets, data_bytes, state, hw[:, 0] * hw[:, 1])
 
 
 @dataclass
@@ -342,11 +423,14 @@ class _Generation:
                 self.overflow[i] = pixels
 
 
-def _allocate(s: _Session, opts: Options) -> _Generation:
+def _allocate(s: _Session, opts: Options, force: bool) -> _Generation:
     """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
     _remove_stale_generations(s.folder, s.previous)
     listing = s.listing
     plan = plan_layout(listing, opts)
+    # Before anything is written: the whole new generation, while the old one stays on disk.
+    kept = [listing.paths[i] for i in np.flatnonzero(plan.state == fmt.EMPTY)]
+    check_free_space(s.folder, disk_bytes(generation_sizes(kept, plan.data_bytes)), force)
     n = len(listing)
     g = _Generation(
         folder=s.folder,
@@ -360,11 +444,11 @@ def _allocate(s: _Session, opts: Options) -> _Generation:
         reused=0,
         todo=[],
     )
-    _carry_skips(s.previous, listing, s.fingerprints, g.state, g.messages)
+    _carry_skips(s.previous, listing, s.same, g.state, g.messages)
     with _discarded_on_failure(g):
         with open(g.data_path, "wb") as f:
             f.truncate(plan.data_bytes)  # sparse until written
-        reuse = _reusable(s.previous, listing, s.fingerprints)
+        reuse = _reusable(s.previous, listing, s.same)
         g.reused = _copy_reused(s.previous, reuse, plan, g.data_path, g.crcs, g.state)
     g.todo = [i for i in range(n) if g.state[i] == fmt.EMPTY]
     return g
@@ -445,6 +529,9 @@ def _finish(
         warnings,
     )
     previous = s.previous
+    trusted = _carried_trust(previous.manifest, s.same, s.fingerprints) if g.reused else None
+    if trusted is not None:
+        manifest.extra["trusted_decoder"] = trusted
     report = BuildReport(
         cache=g.folder,
         images=len(keep),
@@ -454,6 +541,7 @@ def _finish(
         decoded=len(g.todo),
         reused=g.reused,
         dropped=0 if previous is None else previous.manifest.count - g.reused,
+        trusted_decoder=g.reused > 0 and s.same != s.fingerprints,
         skipped=skipped,
         warnings=warnings,
     )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import time
 import zlib
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from .build import (
     _remove_stale_generations,
 )
 from .errors import CacheFormatError, DestinationError, InsufficientSpaceError
+from .space import check_free_space, disk_bytes
 
 __all__ = ["CopyReport", "copy_cache"]
 
@@ -126,13 +126,9 @@ def _copy_generation(
     """Copy, flush and verify the four files as a new generation; its manifest, unpublished."""
     m = files.manifest
     regions = {kind: _data_regions(fds[kind], m.sizes[kind]) for kind in fmt.FILE_KINDS}
-    total = sum(n for kind in fmt.FILE_KINDS for _, n in regions[kind])
-    free = shutil.disk_usage(folder).free
-    if total > free:
-        raise InsufficientSpaceError(
-            f"{folder}: {free:,} bytes free, the copy needs {total:,}; free space or choose "
-            "another folder"
-        )
+    sizes = {kind: sum(n for _, n in regions[kind]) for kind in fmt.FILE_KINDS}
+    total = sum(sizes.values())
+    check_free_space(folder, disk_bytes(sizes))  # the holes skipped take no space
     gen = fmt.new_generation()
     copied = 0
     try:

@@ -67,12 +67,14 @@ def build_distributed(
     workers: int | None = None,
     strict: bool = False,
     progress: ProgressFn | None = None,
+    force: bool = False,
+    trust_decoder: bool = False,
     timeout: float = 1800.0,
 ) -> BuildReport:
     """Build a cache with every rank of the default process group (``build_cache`` calls this).
 
     Args:
-        source, cache, strict: as for ``build_cache``.
+        source, cache, strict, force, trust_decoder: as for ``build_cache``.
         opts: the preprocessing options.
         workers: decode processes on this rank (default: this node's cores divided by its
             ranks, ``LOCAL_WORLD_SIZE``, so that several ranks on one node share its cores).
@@ -95,7 +97,9 @@ def build_distributed(
     channel = _Channel(group, dist.get_rank(), dist.get_world_size())
     try:
         if channel.rank == 0:
-            return _lead(channel, source, cache, opts, workers, strict, progress)
+            return _lead(
+                channel, source, cache, opts, workers, progress, strict, force, trust_decoder
+            )
         return _follow(channel, workers, progress)
     finally:
         if not channel.broken:
@@ -209,15 +213,17 @@ def _lead(
     cache: str | os.PathLike,
     opts: Options,
     workers: int,
-    strict: bool,
     progress: ProgressFn | None,
+    strict: bool,
+    force: bool,
+    trust_decoder: bool,
 ) -> BuildReport:
     start = time.perf_counter()
     try:
-        with _session(source, cache, opts) as s:
+        with _session(source, cache, opts, trust_decoder) as s:
             report = _up_to_date_report(s)
             if report is None:
-                report = _lead_build(channel, s, opts, workers, progress, strict)
+                report = _lead_build(channel, s, opts, workers, progress, strict, force)
         if channel.step == 0:
             channel.scatter([("stop", None)] * channel.world)
         report.seconds = time.perf_counter() - start
@@ -235,8 +241,9 @@ def _lead_build(
     workers: int,
     progress: ProgressFn | None,
     strict: bool,
+    force: bool,
 ) -> BuildReport:
-    g = _allocate(s, opts)
+    g = _allocate(s, opts, force)
     with _discarded_on_failure(g):
         shares = balanced_shares(np.asarray(g.todo, np.int64), g.plan.pixels, channel.world)
         share = channel.scatter(

@@ -20,6 +20,7 @@ __all__ = [
     "InsufficientSpaceError",
     "DestinationError",
     "DistributedBuildError",
+    "MixedShapesError",
     "StaleCacheWarning",
 ]
 
@@ -80,3 +81,7 @@ class DistributedBuildError(CacheError, RuntimeError):
 
 class StaleCacheWarning(UserWarning):
     """A cache opened with ``on_stale="warn"`` no longer matches its source or decoder."""
+
+
+class MixedShapesError(CacheError, ValueError):
+    """A batch of equal-shaped images was asked of a cache whose records differ in shape."""

@@ -182,6 +182,8 @@ class Manifest:
     decoder: dict[str, str]
     sizes: dict[str, int]
     extra: dict[str, Any] = field(default_factory=dict)
+    # The version the file declares (a newer minor than FORMAT_VERSION reads too).
+    format_version: tuple[int, int] = FORMAT_VERSION
 
     def file(self, kind: str) -> Path:
         return self.path / file_name(kind, self.generation)
@@ -319,6 +321,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         decoder=m["decoder"],
         sizes=sizes,
         extra={k: v for k, v in m.items() if k not in known},
+        format_version=(version[0], version[1]),
     )
 
 

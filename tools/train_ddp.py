@@ -61,7 +61,7 @@ def make_sampler(kind: str, ds: MemmapImageDataset, world: int, rank: int, seed:
             from mmcache.sampler import QuasiRandomSampler
         except ImportError:
             raise SystemExit("train_ddp: this mmcache has no QuasiRandomSampler") from None
-        return QuasiRandomSampler(ds, num_replicas=world, rank=rank, seed=seed)
+        return QuasiRandomSampler(ds, num_replicas=world, rank=rank, seed=seed, drop_last=True)
     return DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed)
 
 
