@@ -10,9 +10,10 @@ when first used.
 """
 
 from ._version import __version__
-from .build import BuildReport, build_cache
+from .build import BuildReport, build_cache, create_lazy_cache
 from .decode import Options, decode_image
 from .errors import (
+    BadImageWarning,
     CacheError,
     CacheFormatError,
     CacheNotFoundError,
@@ -29,6 +30,7 @@ from .scan import scan_source
 
 __all__ = [
     "__version__",
+    "BadImageWarning",
     "BuildReport",
     "CacheError",
     "CacheFormatError",
@@ -44,6 +46,7 @@ __all__ = [
     "StaleCacheWarning",
     "StrictBuildError",
     "build_cache",
+    "create_lazy_cache",
     "decode_image",
     "scan_source",
 ]

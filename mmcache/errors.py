@@ -20,6 +20,7 @@ __all__ = [
     "InsufficientSpaceError",
     "DestinationError",
     "StaleCacheWarning",
+    "BadImageWarning",
 ]
 
 
@@ -75,3 +76,7 @@ class DestinationError(CacheError, OSError):
 
 class StaleCacheWarning(UserWarning):
     """A cache opened with ``on_stale="warn"`` no longer matches its source or decoder."""
+
+
+class BadImageWarning(UserWarning):
+    """A dataset with ``on_bad="substitute"`` returned another image in place of a bad one."""
