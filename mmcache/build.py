@@ -235,11 +235,19 @@ def _update(
     return report
 
 
+_WRITE_TEST = ".write-test-"
+
+
 def _prepare_folder(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise NotACacheError(f"{folder}: a file is in the way; choose another cache path")
     if folder.is_dir():
-        strangers = [n for n in os.listdir(folder) if not fmt.is_cache_file_name(n)]
+        # Another process opening the same cache may be probing it for writing right now.
+        strangers = [
+            n
+            for n in os.listdir(folder)
+            if not (fmt.is_cache_file_name(n) or n.startswith(_WRITE_TEST))
+        ]
         if strangers:
             raise NotACacheError(
                 f"{folder}: exists and is not an mmcache cache (it holds {strangers[0]!r}"
@@ -247,7 +255,7 @@ def _prepare_folder(folder: Path) -> None:
             )
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
+        probe = folder / f"{_WRITE_TEST}{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as e:
