@@ -9,7 +9,7 @@ header does not predict its decoded size (rare: a malformed header) is decoded, 
 appended after the planned records.
 
 ``create_lazy_cache`` publishes the same layout without decoding (mode ``"lazy"``): records stay
-``EMPTY`` until ``MemmapImageDataset`` fills them on first read, with ``fill_record``. Only files
+``EMPTY`` until ``MemmapImageDataset`` fills them on first read, with ``RecordFiller``. Only files
 whose header cannot be read are decoded at creation, because their record's size, hence every
 later offset, is unknown until then; they land where the build puts them, after the planned
 records, so a lazy cache once full is record for record the cache a build makes.
