@@ -10,9 +10,10 @@ The format, build and decode parts import without torch; ``MemmapImageDataset`` 
 """
 
 from ._version import __version__
-from .build import BuildReport, build_cache
+from .build import BuildReport, build_cache, create_lazy_cache
 from .decode import Options, decode_image
 from .errors import (
+    BadImageWarning,
     CacheError,
     CacheFormatError,
     CacheNotFoundError,
@@ -33,6 +34,7 @@ from .scan import scan_source
 __all__ = [
     "__version__",
     "BatchLoader",
+    "BadImageWarning",
     "BuildReport",
     "CachePlan",
     "CacheInfo",
@@ -54,6 +56,7 @@ __all__ = [
     "WarmReport",
     "build_cache",
     "check_free_space",
+    "create_lazy_cache",
     "decode_image",
     "plan_cache",
     "cache_info",

@@ -7,6 +7,12 @@ is planned from the files' headers before decoding, so decode workers write thei
 place with ``pwrite`` and send back only a few numbers; pixels never cross a pipe. A file whose
 header does not predict its decoded size (rare: a malformed header) is decoded, sent back and
 appended after the planned records.
+
+``create_lazy_cache`` publishes the same layout without decoding (mode ``"lazy"``): records stay
+``EMPTY`` until ``MemmapImageDataset`` fills them on first read, with ``RecordFiller``. Only files
+whose header cannot be read are decoded at creation, because their record's size, hence every
+later offset, is unknown until then; they land where the build puts them, after the planned
+records, so a lazy cache once full is record for record the cache a build makes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .decode import (
 )
 from .errors import (
     CacheError,
+    CacheFormatError,
     CacheNotFoundError,
     DestinationError,
     InsufficientSpaceError,
@@ -60,7 +67,13 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass
 class BuildReport:
-    """What a build did. ``up_to_date`` means it found the cache current and did nothing."""
+    """What a build did. ``up_to_date`` means it found the cache current and did nothing.
+
+    ``decoded``: files decoded now; ``reused``: records carried over from the previous cache
+    without decoding; ``dropped``: records of the previous cache whose pixels were discarded
+    (the file was removed or modified, or the options changed). ``images`` counts the records
+    with pixels; a lazy cache's records still to be filled count in ``pending``.
+    """
 
     cache: Path
     images: int
@@ -72,6 +85,7 @@ class BuildReport:
     dropped: int = 0
     up_to_date: bool = False
     trusted_decoder: bool = False
+    pending: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
 
@@ -80,8 +94,28 @@ class BuildReport:
         return self.decoded / self.seconds if self.seconds > 0 else 0.0
 
 
+def preprocessing_options(
+    *,
+    size: tuple[int, int] | None = None,
+    max_side: int | None = None,
+    short_side: int | None = None,
+    interpolation: str = "auto",
+    color: str = "rgb",
+    max_pixels: int | None = None,
+) -> Options:
+    """``Options`` from the keywords ``build_cache`` takes (``max_pixels=None``: the default)."""
+    return Options(
+        size=size,
+        max_side=max_side,
+        short_side=short_side,
+        interpolation=interpolation,
+        color=color,
+        **({} if max_pixels is None else {"max_pixels": max_pixels}),
+    )
+
+
 def build_cache(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     *,
     size: tuple[int, int] | None = None,
@@ -100,9 +134,11 @@ def build_cache(
 
     An unchanged source with the same options is a no-op (``report.up_to_date``); a changed
     source decodes only new and modified files and carries the rest over (``report.reused``).
+    A lazy cache is completed: its filled records are carried over, the rest decoded.
 
     Args:
-        source: an ImageFolder-style folder, a flat folder of images, or a ``path,label`` list.
+        source: an ImageFolder-style folder, a flat folder of images, or a ``path,label`` list
+            (or its ``Listing``, from ``scan_source``).
         cache: the cache folder to create or update.
         size: exact ``(width, height)``; or ``max_side`` / ``short_side`` to bound a side while
             keeping the aspect ratio (never upscaling). Default: native size.
@@ -125,29 +161,80 @@ def build_cache(
     Raises:
         SourceError, NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError.
     """
-    opts = Options(
+    opts = preprocessing_options(
         size=size,
         max_side=max_side,
         short_side=short_side,
         interpolation=interpolation,
         color=color,
-        **({} if max_pixels is None else {"max_pixels": max_pixels}),
+        max_pixels=max_pixels,
     )
+    return _update(source, cache, opts, False, workers, strict, progress, force, trust_decoder)
+
+
+def create_lazy_cache(
+    source: str | os.PathLike | Listing,
+    cache: str | os.PathLike,
+    *,
+    size: tuple[int, int] | None = None,
+    max_side: int | None = None,
+    short_side: int | None = None,
+    interpolation: str = "auto",
+    color: str = "rgb",
+    max_pixels: int | None = None,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+) -> BuildReport:
+    """Create a lazy cache of ``source`` at once, without decoding: records fill on first read.
+
+    The layout is planned from the files' headers, the data file allocated sparse, and every
+    record published ``EMPTY``; ``MemmapImageDataset`` then fills records as they are read.
+    A cache already there with the same source and options is left as it is (lazy or built,
+    ``report.up_to_date``); one made from an older listing becomes a new lazy generation that
+    carries over the filled records of unchanged files (``report.reused``); other options start
+    afresh. Files whose header cannot be read are decoded now (``report.decoded``). Files
+    refused from their header (over ``max_pixels``) are left out, as a build leaves them.
+    Arguments are those of ``build_cache``.
+
+    Example:
+        >>> report = create_lazy_cache("data/train", "cache/lazy", short_side=256)  # doctest: +SKIP
+        >>> report.pending  # doctest: +SKIP
+
+    Raises:
+        SourceError, NotACacheError, DestinationError, InsufficientSpaceError.
+    """
+    opts = preprocessing_options(
+        size=size,
+        max_side=max_side,
+        short_side=short_side,
+        interpolation=interpolation,
+        color=color,
+        max_pixels=max_pixels,
+    )
+    return _update(source, cache, opts, True, workers, False, progress, force, False)
+
+
+def _update(
+    source: str | os.PathLike | Listing,
+    cache: str | os.PathLike,
+    opts: Options,
+    lazy: bool,
+    workers: int | None,
+    strict: bool,
+    progress: ProgressFn | None,
+    force: bool,
+    trust_decoder: bool,
+) -> BuildReport:
+    """Build (or, ``lazy``, lay out) a new generation unless the cache is current already."""
     start = time.perf_counter()
-    listing = scan_source(source)
+    listing = source if isinstance(source, Listing) else scan_source(source)
     folder = Path(cache).expanduser().absolute()
     created = _prepare_folder(folder)
     try:
         with _locked(folder):
-            report = _build_locked(
-                listing,
-                opts,
-                folder,
-                workers=workers,
-                strict=strict,
-                progress=progress,
-                force=force,
-                trust_decoder=trust_decoder,
+            report = _update_locked(
+                listing, opts, folder, lazy, workers, strict, progress, force, trust_decoder
             )
     except BaseException:
         if created:  # a first build that failed leaves no folder behind
@@ -157,11 +244,11 @@ def build_cache(
     return report
 
 
-def _build_locked(
+def _update_locked(
     listing: Listing,
     opts: Options,
     folder: Path,
-    *,
+    lazy: bool,
     workers: int | None,
     strict: bool,
     progress: ProgressFn | None,
@@ -179,27 +266,18 @@ def _build_locked(
     same = fingerprints
     if previous is not None:
         same = _decoder_trust(previous.manifest, fingerprints, trust_decoder)
-    if previous is not None and _is_current(previous, same):
+    if previous is not None and _is_current(previous, listing, same, lazy):
         m = previous.manifest
-        newly_trusted = not decoder_accepted(
+        report = _current_report(previous)
+        report.trusted_decoder = not decoder_accepted(
             m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
         )
-        if newly_trusted:
+        if report.trusted_decoder:
             m.extra["trusted_decoder"] = _trust_record(decoder_versions())
             fmt.write_manifest(m)
-        return BuildReport(
-            cache=folder,
-            images=m.count,
-            classes=len(m.classes),
-            bytes=m.sizes["data"],
-            seconds=0.0,
-            up_to_date=True,
-            trusted_decoder=newly_trusted,
-            skipped=m.skipped,
-            warnings=m.warnings,
-        )
+        return report
     report = _build(
-        listing, opts, folder, previous, fingerprints, workers, strict, progress, force, same
+        listing, opts, folder, previous, fingerprints, workers, strict, progress, lazy, force, same
     )
     report.trusted_decoder = report.reused > 0 and same != fingerprints
     return report
@@ -273,10 +351,37 @@ def _carried_trust(m: fmt.Manifest, same: dict[str, str], fingerprints: dict[str
     return m.extra.get("trusted_decoder")
 
 
-def _is_current(previous: fmt.CacheFiles, fingerprints: dict[str, str]) -> bool:
+def _is_current(
+    previous: fmt.CacheFiles, listing: Listing, fingerprints: dict[str, str], lazy: bool
+) -> bool:
+    """Same source, listing, options and decoder; and, for a build, no record left to fill."""
     m = previous.manifest
-    return all(m.fingerprints.get(k) == v for k, v in fingerprints.items()) and bool(
-        (previous.state["state"] != fmt.EMPTY).all()
+    return (
+        m.source == listing.source_json()
+        and all(m.fingerprints.get(k) == v for k, v in fingerprints.items())
+        and (lazy or bool((previous.state["state"] != fmt.EMPTY).all()))
+    )
+
+
+def _current_report(previous: fmt.CacheFiles) -> BuildReport:
+    """The report of a build that found ``previous`` current and did nothing."""
+    m = previous.manifest
+    codes = previous.state["state"]
+    # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
+    bad = [
+        {"path": previous.path(i), "reason": fmt.BAD_REASONS[int(codes[i])]}
+        for i in np.flatnonzero(codes > fmt.FILLED)
+    ]
+    return BuildReport(
+        cache=m.path,
+        images=int((codes == fmt.FILLED).sum()),
+        classes=len(m.classes),
+        bytes=m.sizes["data"],
+        seconds=0.0,
+        up_to_date=True,
+        pending=int((codes == fmt.EMPTY).sum()),
+        skipped=m.skipped + bad,
+        warnings=m.warnings,
     )
 
 
@@ -318,6 +423,9 @@ def layout_from_sizes(hw: np.ndarray, opts: Options) -> _Plan:
     shapes = np.zeros((n, 3), np.int64)
     state = np.full(n, fmt.EMPTY, np.uint32)
     known = hw[:, 0] > 0
+    if opts.size is not None:
+        # The stored shape needs no header; decoding checks the rest (and the pixel limit).
+        shapes[~known] = opts.output_shape(1, 1)
     too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
     state[too_large] = fmt.BAD_TOO_LARGE
     ok = known & ~too_large
@@ -340,11 +448,14 @@ def _build(
     workers: int | None,
     strict: bool,
     progress: ProgressFn | None,
+    lazy: bool = False,
     force: bool = False,
     same: dict[str, str] | None = None,
 ) -> BuildReport:
-    """Write and publish a new generation; ``same`` are the fingerprints a previous cache's
-    records must match to be reused (``fingerprints`` unless its decoder is trusted)."""
+    """Write and publish a new generation; ``lazy``: decode only records of unknown size.
+
+    ``same`` are the fingerprints a previous cache's records must match to be reused
+    (``fingerprints`` unless its decoder is trusted)."""
     same = fingerprints if same is None else same
     _remove_stale_generations(folder, previous)
     plan = plan_layout(listing, opts)
@@ -364,7 +475,7 @@ def _build(
         with open(data_path, "wb") as f:
             f.truncate(plan.data_bytes)  # sparse until written
         reused = _copy_reused(previous, reuse, plan, data_path, crcs, state)
-        todo = [i for i in range(n) if state[i] == fmt.EMPTY]
+        todo = [i for i in range(n) if state[i] == fmt.EMPTY and not (lazy and plan.shapes[i, 0])]
         jobs = [
             [
                 (
@@ -390,7 +501,9 @@ def _build(
             done += len(results)
             if progress is not None:
                 progress(done, len(todo))
-        keep = np.flatnonzero(state == fmt.FILLED)
+        # A lazy cache keeps its EMPTY records: filling them is the readers' job.
+        kept = (state == fmt.FILLED) | ((state == fmt.EMPTY) if lazy else False)
+        keep = np.flatnonzero(kept)
         skipped = [
             {
                 "path": listing.paths[i],
@@ -398,7 +511,7 @@ def _build(
                 "size": int(listing.sizes[i]),
                 "mtime_ns": int(listing.mtimes[i]),
             }
-            for i in np.flatnonzero(state != fmt.FILLED)
+            for i in np.flatnonzero(~kept)
         ]
         if strict and skipped:
             names = "; ".join(f"{s['path']}: {s['reason']}" for s in skipped[:5])
@@ -425,6 +538,8 @@ def _build(
             fingerprints,
             skipped,
             warnings,
+            mode="lazy" if lazy else "build",
+            state_codes=state,
         )
         trusted = _carried_trust(previous.manifest, same, fingerprints) if reused else None
         if trusted is not None:
@@ -441,15 +556,17 @@ def _build(
     fmt.write_manifest(manifest)
     if previous is not None:
         _remove_generation(folder, previous.manifest.generation)
+    had_pixels = 0 if previous is None else int((previous.state["state"] == fmt.FILLED).sum())
     return BuildReport(
         cache=folder,
-        images=len(keep),
+        images=int((state == fmt.FILLED).sum()),
         classes=len(listing.classes),
         bytes=data_bytes,
         seconds=0.0,
         decoded=len(todo),
         reused=reused,
-        dropped=0 if previous is None else previous.manifest.count - reused,
+        dropped=had_pixels - reused,
+        pending=int((state[keep] == fmt.EMPTY).sum()),
         skipped=skipped,
         warnings=warnings,
     )
@@ -619,6 +736,77 @@ def _write_generation(
     )
 
 
+class RecordFiller:
+    """Fills the records of one lazy cache generation in place; one per process.
+
+    A record is filled by decoding its file, writing the pixels with ``pwrite``, then writing its
+    8-byte state ``(crc32, FILLED)`` with ``pwrite``. Readers look at the state first, so a
+    record that reads ``FILLED`` is complete, and a process killed between the two writes leaves
+    it ``EMPTY``, to be decoded again by the next reader. Processes filling the same record at
+    once write the same bytes, so no lock is taken. Writes never go through a mapping: on a full
+    disk a store to a mapped sparse page kills the process with SIGBUS, where ``pwrite`` raises.
+    """
+
+    def __init__(self, files: fmt.CacheFiles) -> None:
+        m = files.manifest
+        self._files = files
+        self._root = str(m.source.get("root", ""))
+        try:
+            self._options = Options.from_json(m.options)
+        except (TypeError, ValueError) as e:
+            raise CacheFormatError(f"{m.path}: bad options in the manifest ({e})") from None
+        self._fds: list[int] = []
+        try:
+            for kind in ("data", "state"):
+                self._fds.append(os.open(m.file(kind), os.O_WRONLY))
+        except OSError as e:
+            self.close()
+            raise DestinationError(
+                f"{m.file(kind)}: cannot fill the lazy cache ({e.strerror}); records are stored "
+                "where the cache lies, so its user must be able to write there"
+            ) from None
+
+    def fill(self, i: int) -> tuple[int, np.ndarray | None]:
+        """Decode record ``i`` and store it: ``(its new state, its pixels if FILLED)``."""
+        r = self._files.index[i]
+        rel = self._files.path(i)
+        if fmt.check_relative_path(rel) is not None:
+            raise CacheFormatError(f"{self._files.manifest.path}: unsafe source path {rel!r}")
+        shape = (int(r["height"]), int(r["width"]), int(r["channels"]))
+        code, crc, _, pixels = decode_record(
+            os.path.join(self._root, rel),
+            int(r["source_size"]),
+            int(r["source_mtime_ns"]),
+            self._options,
+        )
+        if pixels is not None and pixels.shape != shape:
+            # The header promised another size (a lying header, an orientation the probe read
+            # differently): the record's place is fixed, so the file is refused, never cropped.
+            code, crc, pixels = fmt.BAD_HEADER_MISMATCH, 0, None
+        data_fd, state_fd = self._fds
+        try:
+            if pixels is not None:
+                _pwrite_all(data_fd, pixels, int(r["offset"]))
+            state = np.array([(crc, code)], fmt.STATE_DTYPE).tobytes()
+            os.pwrite(state_fd, state, i * fmt.STATE_DTYPE.itemsize)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    f"{self._files.manifest.path}: the disk is full ({e.strerror}); free "
+                    f"{self._files.manifest.sizes['data']:,} bytes for the whole cache, or "
+                    "build it elsewhere"
+                ) from None
+            raise
+        return code, pixels
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+    def __del__(self) -> None:
+        self.close()
+
+
 def _remove_generation(folder: Path, gen: str) -> None:
     for kind in fmt.FILE_KINDS:
         with suppress(FileNotFoundError):
@@ -669,32 +857,59 @@ def _decode_chunk(jobs: list[Job]) -> list[Result]:
 def _decode_one(
     i: int, path: str, offset: int, shape: tuple[int, int, int], size: int, mtime_ns: int
 ) -> Result:
-    opts: Options = _worker["options"]
-    capture: StderrCapture = _worker["stderr"]
+    code, crc, message, pixels = decode_record(
+        path, size, mtime_ns, _worker["options"], _worker["stderr"]
+    )
+    if code != fmt.FILLED:
+        return i, code, 0, message, None
+    if pixels.shape != shape:
+        return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
+    _pwrite_all(_worker["fd"], pixels, offset)
+    return i, fmt.FILLED, crc, message, None
+
+
+def decode_record(
+    path: str,
+    size: int,
+    mtime_ns: int,
+    opts: Options,
+    capture: StderrCapture | None = None,
+) -> tuple[int, int, str, np.ndarray | None]:
+    """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
+
+    The file must have the size and mtime it was listed with, before and after decoding, or it
+    is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
+    is None unless the code is ``FILLED``; ``message`` is what the decoder printed (collected
+    only with a ``capture``) or why the file is bad.
+    """
     try:
         before = os.stat(path)
     except OSError:
-        return i, fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
+        return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
-        return i, fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
-    with capture:
+        return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
+    if capture is None:
         img = cv2.imread(path, read_flags(opts))
-    message = capture.text()
+        message = ""
+    else:
+        with capture:
+            img = cv2.imread(path, read_flags(opts))
+        message = capture.text()
     if img is None:
-        return i, fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
+        return fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
     if img.shape[0] * img.shape[1] > opts.max_pixels:
-        return i, fmt.BAD_TOO_LARGE, 0, f"{img.shape[1]}x{img.shape[0]} pixels", None
+        return fmt.BAD_TOO_LARGE, 0, f"{img.shape[1]}x{img.shape[0]} pixels", None
     pixels = np.ascontiguousarray(preprocess(img, opts))
     after = os.stat(path)
     if (after.st_size, after.st_mtime_ns) != (size, mtime_ns):
-        return i, fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
-    crc = zlib.crc32(pixels)
-    if pixels.shape != shape:
-        return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
-    written = os.pwrite(_worker["fd"], pixels, offset)
+        return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+    return fmt.FILLED, zlib.crc32(pixels), message, pixels
+
+
+def _pwrite_all(fd: int, pixels: np.ndarray, offset: int) -> None:
+    written = os.pwrite(fd, pixels, offset)
     if written != pixels.nbytes:
         raise OSError(errno.ENOSPC, "short write to the data file")
-    return i, fmt.FILLED, crc, message, None
 
 
 def _run_jobs(

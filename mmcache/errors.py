@@ -21,6 +21,7 @@ __all__ = [
     "DestinationError",
     "MixedShapesError",
     "StaleCacheWarning",
+    "BadImageWarning",
 ]
 
 
@@ -80,3 +81,7 @@ class StaleCacheWarning(UserWarning):
 
 class MixedShapesError(CacheError, ValueError):
     """A batch of equal-shaped images was asked of a cache whose records differ in shape."""
+
+
+class BadImageWarning(UserWarning):
+    """A dataset with ``on_bad="substitute"`` returned another image in place of a bad one."""
