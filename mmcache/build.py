@@ -621,10 +621,13 @@ def _run_jobs(
     # forkserver: workers start from a clean process (no inherited threads or locks from
     # torch or OpenCV in the parent), and the server forks them quickly after the first time.
     ctx = multiprocessing.get_context("forkserver")
-    # The server imports this module (numpy, OpenCV: ~0.4 s) once, before it forks the workers,
-    # instead of every worker importing it after: the first results come ~0.3-0.5 s sooner,
-    # a tenth of a 1000-image build. Takes effect when the server starts (first build).
-    ctx.set_forkserver_preload([__name__])
+    # The server imports numpy and OpenCV (most of a worker's ~0.4 s of imports) once, before
+    # it forks the workers, instead of every worker importing them on 2 shared cores (with
+    # mmcache.build preloaded, the first result came at 0.31-0.36 s instead of 0.42 s, under
+    # load). Not mmcache itself: Python 3.11's server ignores the parent's sys.path, so it could
+    # import another copy of mmcache (an installed one) than the parent's. Takes effect when
+    # the server starts (the first build of the process).
+    ctx.set_forkserver_preload(["numpy", "cv2"])
     pool = ctx.Pool(workers, initializer=_init_worker, initargs=(data_path, opts.to_json()))
     try:
         yield from pool.imap_unordered(_decode_chunk, jobs)
