@@ -723,6 +723,8 @@ def _chart(report: BenchReport, path: Path) -> Path | None:
         if m.epoch_seconds:
             x = range(1, len(m.epoch_seconds) + 1)
             ax.plot(x, m.epoch_seconds, marker="o", label=m.name)
+    most = max((len(m.epoch_seconds) for m in report.methods), default=1)
+    ax.set_xticks(range(1, most + 1))
     ax.set_xlabel("epoch")
     ax.set_ylabel("seconds per epoch")
     ax.set_yscale("log")
