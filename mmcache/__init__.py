@@ -10,10 +10,11 @@ The format, build and decode parts import without torch; ``MemmapImageDataset`` 
 """
 
 from ._version import __version__
-from .build import BuildReport, build_cache
+from .build import BuildReport, build_cache, create_lazy_cache
 from .copying import CopyReport, copy_cache
 from .decode import Options, decode_image
 from .errors import (
+    BadImageWarning,
     CacheError,
     CacheFormatError,
     CacheNotFoundError,
@@ -35,6 +36,7 @@ from .scan import scan_source
 __all__ = [
     "__version__",
     "BatchLoader",
+    "BadImageWarning",
     "BuildReport",
     "CachePlan",
     "CacheInfo",
@@ -59,6 +61,7 @@ __all__ = [
     "build_cache",
     "copy_cache",
     "check_free_space",
+    "create_lazy_cache",
     "decode_image",
     "plan_cache",
     "cache_info",

@@ -23,6 +23,17 @@ from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError, DistributedBuildError
 from .space import human_bytes as _human_bytes
 
+# The bench's method keys, spelled here so that --help does not import torch (mmcache.bench).
+_BENCH_METHODS = (
+    "decode",
+    "manager_dict",
+    "in_memory",
+    "mmcache",
+    "lazy",
+    "batch_loader",
+    "copy_loop",
+)
+
 
 class _Progress:
     """A tqdm bar fed by a library ``progress(done, total)`` callback."""
@@ -380,6 +391,41 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import METHODS, run_bench, write_report
+
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    print(
+        f"mmcache bench: {args.source or f'{args.images} generated JPEGs'}, {args.epochs} "
+        f"epochs, batch {args.batch_size}, {args.workers} DataLoader workers, shuffled"
+        + (", cold page cache" if args.cold else ""),
+        flush=True,
+    )
+    report = run_bench(
+        source=args.source,
+        images=args.images,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        epochs=args.epochs,
+        build_workers=args.build_workers,
+        size=args.size,
+        cold=args.cold,
+        methods=methods,
+        workdir=args.workdir,
+        on_event=lambda line: print("  " + line, flush=True),
+    )
+    written = write_report(report, args.out)
+    print("targets (issue 5):")
+    for t in report.targets:
+        got = "n/a" if t.passed is None and t.value != t.value else f"{t.value:.2f}"
+        need = (">=" if t.higher_is_better else "<=") + f" {t.threshold:g}"
+        result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
+        print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0 if report.pixels_equal is not False else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmcache",
@@ -458,6 +504,25 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evict", help="drop a cache's pages from the page cache")
     e.add_argument("cache")
     e.set_defaults(func=_cmd_evict)
+
+    n = sub.add_parser("bench", help="time mmcache against the alternatives, one run, all methods")
+    n.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
+    n.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
+    n.add_argument("--image-size", type=parse_size, default=(720, 480), metavar="WxH")
+    n.add_argument("--epochs", type=int, default=3)
+    n.add_argument("--batch-size", type=int, default=64)
+    n.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    n.add_argument(
+        "--build-workers", type=int, default=None, help="build processes (default: cores)"
+    )
+    n.add_argument(
+        "--size", type=parse_size, metavar="WxH", help="resize all to WxH (mixed-size folders)"
+    )
+    n.add_argument("--cold", action="store_true", help="drop the page cache before each method")
+    n.add_argument("--methods", help="comma-separated subset of: " + ", ".join(_BENCH_METHODS))
+    n.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    n.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
+    n.set_defaults(func=_cmd_bench)
     return p
 
 

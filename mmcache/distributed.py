@@ -53,6 +53,7 @@ from .build import (
 )
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
+from .scan import Listing
 
 __all__ = ["balanced_shares", "build_distributed", "torchrun_process_group"]
 
@@ -60,7 +61,7 @@ _NOTHING_PUBLISHED = "nothing was published; the previous cache, if any, is inta
 
 
 def build_distributed(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     opts: Options,
     *,
@@ -209,7 +210,7 @@ class _Channel:
 
 def _lead(
     channel: _Channel,
-    source: str | os.PathLike,
+    source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     opts: Options,
     workers: int,

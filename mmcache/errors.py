@@ -22,6 +22,7 @@ __all__ = [
     "DistributedBuildError",
     "MixedShapesError",
     "StaleCacheWarning",
+    "BadImageWarning",
 ]
 
 
@@ -85,3 +86,7 @@ class StaleCacheWarning(UserWarning):
 
 class MixedShapesError(CacheError, ValueError):
     """A batch of equal-shaped images was asked of a cache whose records differ in shape."""
+
+
+class BadImageWarning(UserWarning):
+    """A dataset with ``on_bad="substitute"`` returned another image in place of a bad one."""
