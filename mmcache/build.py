@@ -192,8 +192,13 @@ def _read_previous(folder: Path) -> fmt.CacheFiles | None:
 
 def _is_current(previous: fmt.CacheFiles, fingerprints: dict[str, str]) -> bool:
     m = previous.manifest
-    return all(m.fingerprints.get(k) == v for k, v in fingerprints.items()) and bool(
-        (previous.state["state"] != fmt.EMPTY).all()
+    # A file that changed while it was decoded was skipped, yet may read the same as when listed
+    # (restored with its mtime): such a cache is never current, so the next build retries it.
+    retry = any(e.get("state") == fmt.BAD_SOURCE_CHANGED for e in m.skipped)
+    return (
+        all(m.fingerprints.get(k) == v for k, v in fingerprints.items())
+        and bool((previous.state["state"] != fmt.EMPTY).all())
+        and not retry
     )
 
 
@@ -285,6 +290,7 @@ def _build(
                 "reason": messages.get(i) or fmt.BAD_REASONS[int(state[i])],
                 "size": int(listing.sizes[i]),
                 "mtime_ns": int(listing.mtimes[i]),
+                "state": int(state[i]),
             }
             for i in np.flatnonzero(state != fmt.FILLED)
         ]
@@ -314,7 +320,10 @@ def _build(
             skipped,
             warnings,
         )
+        fmt.write_manifest(manifest)  # the commit point
     except BaseException as e:
+        if _published(folder) == gen:  # failed after the commit point (flushing the folder)
+            raise
         _remove_generation(folder, gen)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(
@@ -323,7 +332,6 @@ def _build(
                 "cache, if any, is intact"
             ) from None
         raise
-    fmt.write_manifest(manifest)
     if previous is not None:
         _remove_generation(folder, previous.manifest.generation)
     return BuildReport(
@@ -338,6 +346,14 @@ def _build(
         skipped=skipped,
         warnings=warnings,
     )
+
+
+def _published(folder: Path) -> str | None:
+    """The generation the folder's manifest names now, or None."""
+    try:
+        return fmt.read_manifest(folder).generation
+    except CacheError:
+        return None
 
 
 def _reusable(
@@ -378,6 +394,7 @@ def _carry_skips(
     stats = {
         e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"])
         for e in previous.manifest.skipped
+        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
     }
     for i, rel in enumerate(listing.paths):
         old = stats.get(rel)
