@@ -26,9 +26,11 @@ from .errors import (
     StrictBuildError,
 )
 from .scan import scan_source
+from .verify import BadRecord, VerifyReport, verify_cache
 
 __all__ = [
     "__version__",
+    "BadRecord",
     "BuildReport",
     "CacheError",
     "CacheFormatError",
@@ -43,9 +45,11 @@ __all__ = [
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
+    "VerifyReport",
     "build_cache",
     "decode_image",
     "scan_source",
+    "verify_cache",
 ]
 
 _TORCH_PARTS = {"MemmapImageDataset": "dataset"}
