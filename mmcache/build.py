@@ -583,12 +583,13 @@ def _decode_one(
         img = cv2.imread(path, read_flags(opts))
     message = capture.text()
     if img is None:
+        if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
+            return i, fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return i, fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
     if img.shape[0] * img.shape[1] > opts.max_pixels:
         return i, fmt.BAD_TOO_LARGE, 0, f"{img.shape[1]}x{img.shape[0]} pixels", None
     pixels = np.ascontiguousarray(preprocess(img, opts))
-    after = os.stat(path)
-    if (after.st_size, after.st_mtime_ns) != (size, mtime_ns):
+    if _stat_key(path) != (size, mtime_ns):
         return i, fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
     crc = zlib.crc32(pixels)
     if pixels.shape != shape:
@@ -597,6 +598,14 @@ def _decode_one(
     if written != pixels.nbytes:
         raise OSError(errno.ENOSPC, "short write to the data file")
     return i, fmt.FILLED, crc, message, None
+
+
+def _stat_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _run_jobs(
