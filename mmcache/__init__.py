@@ -5,8 +5,8 @@ Example:
     >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
     >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP
 
-The format, build and decode parts import without torch; ``MemmapImageDataset`` imports torch
-when first used.
+The format, build and decode parts import without torch; ``MemmapImageDataset`` and
+``BatchLoader`` import torch when first used.
 """
 
 from ._version import __version__
@@ -20,18 +20,24 @@ from .errors import (
     DecodeError,
     DestinationError,
     InsufficientSpaceError,
+    MixedShapesError,
     NotACacheError,
     SourceError,
     StaleCacheWarning,
     StrictBuildError,
 )
+from .plan import CachePlan, check_free_space, plan_cache
+from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
 from .verify import BadRecord, VerifyReport, verify_cache
 
 __all__ = [
     "__version__",
     "BadRecord",
+    "BatchLoader",
     "BuildReport",
+    "CachePlan",
+    "CacheInfo",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
@@ -40,19 +46,31 @@ __all__ = [
     "DestinationError",
     "InsufficientSpaceError",
     "MemmapImageDataset",
+    "MixedShapesError",
     "NotACacheError",
     "Options",
+    "QuasiRandomSampler",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
     "VerifyReport",
+    "WarmReport",
     "build_cache",
+    "check_free_space",
     "decode_image",
+    "plan_cache",
+    "cache_info",
+    "evict_cache",
     "scan_source",
     "verify_cache",
+    "warm_cache",
 ]
 
-_TORCH_PARTS = {"MemmapImageDataset": "dataset"}
+_TORCH_PARTS = {
+    "BatchLoader": "loader",
+    "MemmapImageDataset": "dataset",
+    "QuasiRandomSampler": "sampler",
+}
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -17,27 +18,30 @@ from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+from .space import human_bytes as _human_bytes
 
 
 class _Progress:
     """A tqdm bar fed by a library ``progress(done, total)`` callback."""
 
-    def __init__(self, desc: str, unit: str = "img") -> None:
-        self.desc, self.unit, self.bar = desc, unit, None
+    def __init__(
+        self, desc: str, unit: str = "img", delay: float = 0.0, unit_scale: bool = False
+    ) -> None:
+        self.desc, self.unit, self.delay, self.bar = desc, unit, delay, None
+        self.unit_scale = unit_scale
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                desc=self.desc,
+                unit=self.unit,
+                unit_scale=self.unit_scale,
+                delay=self.delay,
+                file=sys.stderr,
+            )
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()
@@ -107,6 +111,8 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _cmd_plan(args)
     bar = _Progress("decoding")
     try:
         report = build_cache(
@@ -115,11 +121,86 @@ def _cmd_build(args: argparse.Namespace) -> int:
             workers=args.workers,
             strict=args.strict,
             progress=bar,
+            force=args.force,
+            trust_decoder=args.trust_decoder,
             **_preprocessing_kwargs(args),
         )
     finally:
         bar.close()
     _print_build(report, print)
+    if report.trusted_decoder:
+        print("  kept pixels decoded by another decoder version (--trust-decoder, recorded)")
+    return 0
+
+
+def _print_plan(plan, out: Callable[[str], None]) -> None:
+    """``plan`` (a ``mmcache.plan.CachePlan``) as a table a person reads before building."""
+    out(f"source       {plan.source}")
+    out(
+        f"images       {plan.files:,} files in {plan.classes:,} "
+        f"{'class' if plan.classes == 1 else 'classes'} (headers read in {plan.seconds:.2f} s)"
+    )
+    if plan.unreadable:
+        names = ", ".join(plan.unreadable[:3]) + (" ..." if len(plan.unreadable) > 3 else "")
+        out(
+            f"             {len(plan.unreadable):,} without a readable header ({names}): the "
+            "build decodes them to learn their size, or skips them; not counted below"
+        )
+    if plan.too_large:
+        out(f"             {len(plan.too_large):,} over the pixel limit: the build skips them")
+    if plan.native is not None:
+        n = plan.native
+        out(f"native size  {'min':>10} {'median':>10} {'max':>10}")
+        for name, (lo, mid, hi) in (("width", n.width), ("height", n.height)):
+            out(f"  {name:<10} {lo:>10,} {mid:>10,} {hi:>10,}")
+        lo, mid, hi = (v / 1e6 for v in n.pixels)
+        out(f"  {'megapixels':<10} {lo:>10.2f} {mid:>10.2f} {hi:>10.2f}")
+    out("")
+    policies = plan.policies
+    if all(p.name != plan.build.name for p in policies):
+        policies = [plan.build, *policies]
+    disk = plan.free_bytes is not None
+    out(
+        f"{'policy (' + plan.build.options.color + ')':<20} {'data':>10} {'total':>10} "
+        f"{'in RAM':>7}" + (f" {'fits disk':>9}" if disk else "")
+    )
+    for p in policies:
+        fits = "" if not disk else " yes" if plan.free_bytes >= p.disk_bytes else " NO"
+        out(
+            f"{p.name:<20} {_human_bytes(p.data_bytes):>10} {_human_bytes(p.total_bytes):>10} "
+            f"{plan.ram_fraction(p):>7.0%}{fits:>10}"
+            + ("  <- this build" if p.name == plan.build.name else "")
+        )
+    out("")
+    if plan.cache is not None:
+        out(
+            f"destination  {plan.cache}: {_human_bytes(plan.free_bytes)} free on the filesystem "
+            f"of {plan.destination}; this build needs {_human_bytes(plan.build.disk_bytes)}"
+        )
+        if plan.up_to_date:
+            out("             the cache there is up to date: a build would do nothing")
+        elif plan.existing_bytes:
+            out(
+                f"             the cache there ({_human_bytes(plan.existing_bytes)}) stays "
+                "until the new one is published, then is deleted"
+            )
+        if not plan.fits_on_disk:
+            out("             NOT ENOUGH SPACE: a build would refuse to start (--force overrides)")
+    out(
+        f"memory       {_human_bytes(plan.ram_total)} RAM, {_human_bytes(plan.ram_available)} "
+        f"available: {plan.ram_fraction():.0%} of this build's pixels fit in the page cache"
+    )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import plan_cache
+
+    bar = _Progress("reading headers", unit="file", delay=0.5)
+    try:
+        plan = plan_cache(args.source, args.cache, progress=bar, **_preprocessing_kwargs(args))
+    finally:
+        bar.close()
+    _print_plan(plan, print)
     return 0
 
 
@@ -199,6 +280,88 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _share(part: int | None, whole: int) -> str:
+    if part is None:
+        return "unknown (no mincore here)"
+    return f"{_human_bytes(part)} ({part / whole if whole else 1.0:.0%})"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .residency import cache_info
+
+    info = cache_info(args.cache)
+    if args.json:
+        print(json.dumps(info.to_json(), indent=1, ensure_ascii=False))
+        return 0
+
+    def shape(s: tuple[int, int, int]) -> str:
+        return f"{s[1]}x{s[0]}x{s[2]}"
+
+    if info.min_size is None:
+        sizes = "none"
+    elif info.fixed_size:
+        sizes = f"all {shape(info.min_size)} (WxHxC)"
+    else:
+        sizes = f"{shape(info.min_size)} to {shape(info.max_size)} (WxHxC, by pixels)"
+    options = ", ".join(f"{k}={v}" for k, v in info.options.items() if v is not None)
+    ram = "cgroup limit" if info.cgroup_limited else "RAM"
+    lines = [
+        f"cache:      {info.cache}",
+        f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
+        f"generation {info.generation}",
+        f"images:     {info.images:,} ({info.filled:,} filled), {len(info.classes)} classes, "
+        f"{len(info.skipped)} skipped",
+        f"sizes:      {sizes}",
+        f"options:    {options}",
+        f"data:       {_human_bytes(info.data_bytes)} ({_human_bytes(info.disk_bytes)} on disk, "
+        f"{_human_bytes(info.apparent_bytes)} apparent, all files)",
+        f"resident:   {_share(info.resident_bytes, info.data_bytes)} of the data in the page cache",
+        f"memory:     {_human_bytes(info.ram_total)} {ram}, "
+        f"{_human_bytes(info.ram_available)} available",
+        f"source:     {'changed: ' + info.stale if info.stale else 'unchanged (or not there)'}",
+    ]
+    lines += [f"  skipped {s['path']}: {s['reason']}" for s in info.skipped[:20]]
+    if len(info.skipped) > 20:
+        lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from .residency import warm_cache
+
+    bar = _Progress("warming", unit="B", unit_scale=True)
+    try:
+        report = warm_cache(args.cache, max_memory=args.max_memory, progress=bar)
+    finally:
+        bar.close()
+    print(
+        f"{report.cache}: {_share(report.resident_after, report.data_bytes)} resident "
+        f"(was {_share(report.resident_before, report.data_bytes)}), "
+        f"{_human_bytes(report.read_bytes)} read in {report.seconds:.1f} s"
+        + (
+            f"; stopped at the memory budget of {_human_bytes(report.budget_bytes)}"
+            if report.stopped_by_budget
+            else ""
+        )
+    )
+    return 0
+
+
+def _cmd_evict(args: argparse.Namespace) -> int:
+    from .residency import evict_cache
+
+    after = evict_cache(args.cache)
+    if after is None:
+        status = "evicted (how much stays resident is unknown here: no mincore)"
+    elif after == 0:
+        status = "evicted, none of the data is in the page cache"
+    else:
+        status = f"{_human_bytes(after)} of the data stays resident (mapped by a running process?)"
+    print(f"{args.cache}: {status}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmcache",
@@ -215,6 +378,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--strict", action="store_true", help="fail, publishing nothing, if any file is bad"
     )
+    b.add_argument(
+        "--dry-run", action="store_true", help="print the plan (sizes, space) and build nothing"
+    )
+    b.add_argument(
+        "--force", action="store_true", help="build even if the disk seems to lack the space"
+    )
+    b.add_argument(
+        "--trust-decoder",
+        action="store_true",
+        help="keep a cache made by another decoder version instead of decoding it again",
+    )
     b.set_defaults(func=_cmd_build)
 
     v = sub.add_parser("verify", help="check every record's checksum (and pixels vs the source)")
@@ -228,6 +402,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.set_defaults(func=_cmd_verify)
 
+    pl = sub.add_parser(
+        "plan", help="how big a cache would be under each resize policy (reads headers only)"
+    )
+    pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
+    pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
+    _add_preprocessing(pl)
+    pl.set_defaults(func=_cmd_plan)
+
     d = sub.add_parser("demo", help="generate images, build a cache, compare epoch times")
     d.add_argument("--images", type=int, default=1000)
     d.add_argument("--image-size", type=parse_size, default=(720, 480), metavar="WxH")
@@ -236,6 +418,26 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     d.add_argument("--workdir", help="keep the images and cache here (default: a temp folder)")
     d.set_defaults(func=_cmd_demo)
+
+    i = sub.add_parser("info", help="describe a cache and how much of it is in RAM")
+    i.add_argument("cache")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_cmd_info)
+
+    w = sub.add_parser("warm", help="read a cache into the page cache, within a memory budget")
+    w.add_argument("cache")
+    w.add_argument(
+        "--max-memory",
+        default="90%",
+        metavar="BUDGET",
+        help="stop before memory used by processes plus the cache would pass this: a share "
+        "of RAM (90%%) or a size (8G) (default 90%%)",
+    )
+    w.set_defaults(func=_cmd_warm)
+
+    e = sub.add_parser("evict", help="drop a cache's pages from the page cache")
+    e.add_argument("cache")
+    e.set_defaults(func=_cmd_evict)
     return p
 
 

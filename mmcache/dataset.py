@@ -20,9 +20,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from . import format as fmt
-from .decode import decoder_fingerprint, decoder_versions
 from .errors import CacheFormatError, CacheStaleError, DecodeError, StaleCacheWarning
-from .scan import Listing, diff_listings, scan_source
+from .residency import WarmReport, start_warming
+from .staleness import stale_reason
 
 ON_STALE = ("warn", "error", "ignore")
 VERIFY = (None, "first-read")
@@ -47,6 +47,10 @@ class MemmapImageDataset(Dataset):
             it, and raises ``CacheFormatError`` naming the record if the pixels were damaged on
             disk; ``None`` (default) trusts the cache (``mmcache verify`` checks it whole).
             Costs one CRC-32 per record per process (~3 GB/s), nothing on later reads.
+        warm: read the cache into the page cache in a background thread of this process (not
+            of DataLoader workers) while training starts: ``True`` within the default budget
+            (90% of RAM), or a budget such as ``"80%"`` or ``"8G"`` (see ``warm_cache``).
+            ``wait_warm()`` waits for it and returns its ``WarmReport``.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -66,6 +70,7 @@ class MemmapImageDataset(Dataset):
         target_transform: Callable[[int], Any] | None = None,
         on_stale: str = "warn",
         verify: str | None = None,
+        warm: bool | str | int = False,
     ) -> None:
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
@@ -85,6 +90,7 @@ class MemmapImageDataset(Dataset):
                 if on_stale == "error":
                     raise CacheStaleError(message)
                 warnings.warn(message, StaleCacheWarning, stacklevel=2)
+        self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _attach(self, files: fmt.CacheFiles) -> None:
         """Keep what ``__getitem__`` needs as plain arrays; the pixels are mapped on first read."""
@@ -143,6 +149,7 @@ class MemmapImageDataset(Dataset):
             state.pop(key, None)
         state["_files"] = None
         state["_data"] = None
+        state["_warm_thread"] = None  # a thread does not pickle; workers do not warm
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -189,6 +196,12 @@ class MemmapImageDataset(Dataset):
             target = self.target_transform(target)
         return img, target
 
+    def wait_warm(self, timeout: float | None = None) -> WarmReport | None:
+        """Wait for the ``warm=`` background read; its report, or None if none ran (or it is
+        still running after ``timeout`` seconds). An error it met is raised here."""
+        thread = getattr(self, "_warm_thread", None)
+        return None if thread is None else thread.result(timeout)
+
     # torchvision ImageFolder's attributes ---------------------------------------------------
 
     @property
@@ -226,45 +239,3 @@ class MemmapImageDataset(Dataset):
         if self._files is None:
             self._load()
         return self._files.manifest
-
-
-def stale_reason(files: fmt.CacheFiles) -> str | None:
-    """Why a cache no longer matches its source or decoder, or None if it still does."""
-    m = files.manifest
-    reasons = []
-    if m.fingerprints.get("decoder") != decoder_fingerprint():
-        reasons.append(
-            f"it was decoded by {_versions(m.decoder)}, this machine decodes with {_versions(None)}"
-        )
-    root = Path(m.source.get("root", ""))
-    source = m.source.get("list_file") if m.source.get("kind") == "list" else root
-    if source and Path(source).exists():
-        try:
-            listing = scan_source(source)
-        except Exception as e:  # a source that now fails to scan has changed, in a way
-            reasons.append(f"the source cannot be scanned ({e})")
-        else:
-            if listing.fingerprint() != m.fingerprints.get("listing"):
-                reasons.append("the source changed: " + _diff_summary(files, listing))
-    return "; ".join(reasons) or None
-
-
-def _diff_summary(files: fmt.CacheFiles, listing: Listing) -> str:
-    m = files.manifest
-    idx = files.index
-    paths = files.paths() + [s["path"] for s in m.skipped]
-    n_skip = len(m.skipped)
-    skipped_stats = np.array(
-        [(s.get("size", -1), s.get("mtime_ns", -1)) for s in m.skipped], np.int64
-    ).reshape(-1, 2)
-    sizes = np.concatenate([idx["source_size"].astype(np.int64), skipped_stats[:, 0]])
-    mtimes = np.concatenate([idx["source_mtime_ns"], skipped_stats[:, 1]])
-    labels = np.concatenate([idx["label"], np.zeros(n_skip, np.int32)])
-    diff = diff_listings(m.classes, paths, labels, sizes, mtimes, listing)
-    diff.relabeled = [p for p in diff.relabeled if p in set(files.paths())]
-    return diff.summary()
-
-
-def _versions(versions: dict[str, str] | None) -> str:
-    v = decoder_versions() if versions is None else versions
-    return ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "an unknown decoder"

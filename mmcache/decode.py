@@ -15,6 +15,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -185,6 +186,13 @@ class StderrCapture:
         return "; ".join(dict.fromkeys(ln for ln in lines if ln))
 
 
+# Decoders the build calls besides OpenCV, as name -> function returning its version. Whoever
+# routes a format through another library (say simplejpeg for JPEGs) adds it here, e.g.
+# ``"simplejpeg": lambda: simplejpeg.__version__``, so that decoder_versions() names it and a
+# cache filled by another version of it counts as stale. Empty: OpenCV decodes everything.
+EXTRA_DECODERS: dict[str, Callable[[], str]] = {}
+
+
 def decoder_versions() -> dict[str, str]:
     """The decoder libraries in use, with versions: part of a cache's fingerprint."""
     info = cv2.getBuildInformation()
@@ -193,9 +201,25 @@ def decoder_versions() -> dict[str, str]:
         m = re.search(rf"^\s*{fmt}:\s*(.+)$", info, re.MULTILINE)
         if m:
             versions[fmt.lower()] = m[1].strip()
+    for name, version in EXTRA_DECODERS.items():
+        versions[name] = str(version())
     return versions
 
 
 def decoder_fingerprint(versions: dict[str, str] | None = None) -> str:
     versions = decoder_versions() if versions is None else versions
     return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()
+
+
+def decoder_accepted(recorded: str | None, trusted: Any = None) -> bool:
+    """Whether this machine's decoder may read a cache's pixels as its own.
+
+    Args:
+        recorded: the manifest's ``fingerprints["decoder"]`` (the decoder that wrote it).
+        trusted: the manifest's ``"trusted_decoder"`` (``{"versions", "fingerprint", ...}``),
+            a decoder a user declared equivalent with ``--trust-decoder``, if any.
+    """
+    current = decoder_fingerprint()
+    return recorded == current or (
+        isinstance(trusted, dict) and trusted.get("fingerprint") == current
+    )

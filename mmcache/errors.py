@@ -19,6 +19,7 @@ __all__ = [
     "StrictBuildError",
     "InsufficientSpaceError",
     "DestinationError",
+    "MixedShapesError",
     "StaleCacheWarning",
 ]
 
@@ -75,3 +76,7 @@ class DestinationError(CacheError, OSError):
 
 class StaleCacheWarning(UserWarning):
     """A cache opened with ``on_stale="warn"`` no longer matches its source or decoder."""
+
+
+class MixedShapesError(CacheError, ValueError):
+    """A batch of equal-shaped images was asked of a cache whose records differ in shape."""

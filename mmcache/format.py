@@ -210,6 +210,8 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     # As read from disk (None for a 1.0 cache); ``write_manifest`` computes them afresh.
     checksums: dict[str, int] | None = None
+    # The version the file declares (a newer minor than FORMAT_VERSION reads too).
+    format_version: tuple[int, int] = FORMAT_VERSION
 
     def file(self, kind: str) -> Path:
         return self.path / file_name(kind, self.generation)
@@ -385,6 +387,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         sizes=sizes,
         extra={k: v for k, v in m.items() if k not in known},
         checksums=checksums,
+        format_version=(version[0], version[1]),
     )
 
 

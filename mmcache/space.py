@@ -1,0 +1,93 @@
+"""Space: the bytes a cache generation takes on disk, and whether its destination has them.
+
+A build writes a whole new generation while the previous one is still on disk (it is deleted only
+after the new manifest is published, see ``mmcache.format``), and it copies reused records into
+the new data file rather than sharing them; so a build needs the new generation's full size free,
+whatever the old cache holds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import format as fmt
+from .errors import InsufficientSpaceError
+
+# ext4, xfs and tmpfs allocate 4 KiB blocks: a file of 1 byte takes 4096 on disk.
+BLOCK = 4096
+# Room for manifest.json and its temporary copy: class names and skipped-file lists are a few
+# kilobytes for ImageNet's 1,000 classes; 256 KiB covers far more.
+MANIFEST_ALLOWANCE = 256 << 10
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` -> ``"1.23 MB"`` (decimal units, as disk vendors and ``df -H`` count)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def generation_sizes(paths: Sequence[str], data_bytes: int) -> dict[str, int]:
+    """The exact sizes of the four files of a generation whose records have source ``paths``."""
+    n = len(paths)
+    return {
+        "index": n * fmt.INDEX_DTYPE.itemsize,
+        "state": n * fmt.STATE_DTYPE.itemsize,
+        "paths": sum(len(p.encode("utf-8", "surrogateescape")) for p in paths),
+        "data": int(data_bytes),
+    }
+
+
+def disk_bytes(sizes: dict[str, int]) -> int:
+    """What files of these ``sizes`` (and a manifest) occupy on disk, in whole blocks."""
+    return sum(-(-v // BLOCK) * BLOCK for v in sizes.values()) + MANIFEST_ALLOWANCE
+
+
+def existing_ancestor(path: str | os.PathLike) -> Path:
+    """``path`` if it exists, else its nearest existing parent: where a new folder would live."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged user may still write on the filesystem that holds (or would hold)
+    ``path``."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def check_free_space(folder: str | os.PathLike, needed_bytes: int, force: bool = False) -> int:
+    """Refuse to start writing a cache into ``folder`` when its filesystem lacks ``needed_bytes``.
+
+    Call it after planning and before writing anything, so a refusal leaves nothing behind.
+
+    Args:
+        folder: the cache folder (it need not exist yet).
+        needed_bytes: what the files about to be written take on disk (``disk_bytes``).
+        force: skip the check (``--force``): the write may then fail with a full disk.
+
+    Returns:
+        The free bytes found (-1 when ``force`` skipped the check).
+
+    Example:
+        >>> check_free_space("cache/train", 170 * 10**9)  # doctest: +SKIP
+
+    Raises:
+        InsufficientSpaceError: fewer than ``needed_bytes`` are free, naming both numbers.
+    """
+    if force:
+        return -1
+    free = free_bytes(folder)
+    if free < needed_bytes:
+        raise InsufficientSpaceError(
+            f"{folder}: the cache needs {human_bytes(needed_bytes)} ({needed_bytes:,} bytes) of "
+            f"disk but only {human_bytes(free)} ({free:,} bytes) are free there; free some space, "
+            "choose a smaller size (`mmcache plan` compares them) or pass --force (force=True)"
+        )
+    return free

@@ -1,0 +1,283 @@
+"""BatchLoader: every record once per epoch, exact pixels, the buffer contract, threads, errors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder
+from torch.utils.data import DistributedSampler, RandomSampler
+
+from mmcache import (
+    BatchLoader,
+    DecodeError,
+    MemmapImageDataset,
+    MixedShapesError,
+    build_cache,
+)
+from mmcache import format as fmt
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """24 images of 32x24 in two classes, each image's pixels distinct (seeded noise)."""
+    root = tmp_path_factory.mktemp("loader")
+    src = make_folder(root / "src", {"a": [(32, 24)] * 14, "b": [(32, 24)] * 10})
+    build_cache(src, root / "cache", workers=1)
+    return root / "cache"
+
+
+@pytest.fixture
+def ds(cache):
+    return MemmapImageDataset(cache)
+
+
+def _which(ds):
+    """Record index by pixel bytes: finds out which record each yielded row is."""
+    return {ds[i][0].tobytes(): i for i in range(len(ds))}
+
+
+def _collect(loader, ds):
+    """Indices of the rows yielded, in order; checks each row's pixels and label on the way."""
+    which = _which(ds)
+    seen, sizes = [], []
+    for images, labels in loader:
+        assert images.dtype == torch.uint8 and labels.dtype == torch.int64
+        assert images.shape[1:] == (24, 32, 3) and len(images) == len(labels)
+        sizes.append(len(images))
+        for row, label in zip(images, labels.tolist()):
+            i = which[row.numpy().tobytes()]
+            assert label == ds.targets[i]
+            seen.append(i)
+    return seen, sizes
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_every_record_once_per_epoch(ds, shuffle, num_threads):
+    loader = BatchLoader(ds, batch_size=5, shuffle=shuffle, num_threads=num_threads, seed=1)
+    seen, sizes = _collect(loader, ds)
+    assert sorted(seen) == list(range(N))
+    assert sizes == [5, 5, 5, 5, 4] and len(loader) == 5  # the last, partial batch is kept
+    if not shuffle:
+        assert seen == list(range(N))
+
+
+def test_drop_last(ds):
+    loader = BatchLoader(ds, batch_size=5, shuffle=True, drop_last=True)
+    seen, sizes = _collect(loader, ds)
+    assert sizes == [5, 5, 5, 5] and len(loader) == 4
+    assert len(set(seen)) == 20
+
+
+def test_pixels_equal_the_dataset_in_order(ds):
+    batches = [(x.clone(), y.clone()) for x, y in BatchLoader(ds, 7, num_threads=2)]
+    images, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    for i in range(N):
+        assert np.array_equal(images[i].numpy(), ds[i][0])
+    assert labels.tolist() == ds.targets
+
+
+def test_seeded_shuffle_is_repeatable_and_changes_with_the_epoch(ds):
+    def order(epoch, seed=3):
+        loader = BatchLoader(ds, 8, shuffle=True, seed=seed)
+        loader.set_epoch(epoch)
+        return _collect(loader, ds)[0]
+
+    assert order(0) == order(0) != order(1)
+    assert sorted(order(1)) == list(range(N))
+
+
+def test_any_iterable_of_indices_as_sampler(ds):
+    picks = [5, 3, 3, 23, 0]
+    seen, sizes = _collect(BatchLoader(ds, 2, sampler=picks), ds)
+    assert seen == picks and sizes == [2, 2, 1]
+    seen, _ = _collect(BatchLoader(ds, 4, sampler=RandomSampler(ds)), ds)
+    assert sorted(seen) == list(range(N))
+
+
+def test_distributed_sampler_halves_are_disjoint_and_complete(ds):
+    halves = []
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=5)
+        loader = BatchLoader(ds, 5, sampler=sampler)
+        loader.set_epoch(2)  # forwarded to the sampler
+        assert sampler.epoch == 2
+        halves.append(_collect(loader, ds)[0])
+    assert len(halves[0]) == len(halves[1]) == N // 2
+    assert not set(halves[0]) & set(halves[1])
+    assert sorted(halves[0] + halves[1]) == list(range(N))
+
+
+def test_quasi_random_sampler_drives_the_batch_loader(ds):
+    from mmcache import QuasiRandomSampler
+
+    sampler = QuasiRandomSampler(ds, block_size=4, seed=2, buffer_blocks=2)
+    loader = BatchLoader(ds, 5, sampler=sampler)
+    first, _ = _collect(loader, ds)
+    loader.set_epoch(1)
+    second, _ = _collect(loader, ds)
+    assert sorted(first) == sorted(second) == list(range(N))
+    assert first == list(sampler.__class__(ds, block_size=4, seed=2, buffer_blocks=2))
+    assert first != second
+
+
+def test_a_batch_kept_past_the_ring_is_overwritten_unless_cloned(ds):
+    # prefetch=1: a ring of 2 buffers; batch 2 is filled into batch 0's buffer.
+    it = iter(BatchLoader(ds, 4, prefetch=1, num_threads=2))
+    kept, labels = next(it)
+    copy = kept.clone()
+    original = [ds[i][0] for i in range(4)]
+    assert all(np.array_equal(kept[j].numpy(), original[j]) for j in range(4))
+    next(it)
+    third, _ = next(it)
+    assert torch.equal(kept, third)  # the buffer was reused, as documented
+    assert not torch.equal(kept, copy)
+    assert all(np.array_equal(copy[j].numpy(), original[j]) for j in range(4))
+    it.close()
+
+
+def _threads_return_to(baseline):
+    # Nothing to wait for: stopping an iteration joins its threads before returning.
+    return threading.active_count() == baseline
+
+
+def test_threads_stop_on_break_exception_and_garbage_collection(ds):
+    baseline = threading.active_count()
+    loader = BatchLoader(ds, 2, num_threads=3, prefetch=2)
+    for _ in loader:
+        assert threading.active_count() == baseline + 3
+        break
+    assert _threads_return_to(baseline)
+
+    with pytest.raises(KeyError):
+        for _ in loader:
+            raise KeyError("in the training step")
+    assert _threads_return_to(baseline)
+
+    it = iter(loader)
+    next(it)
+    del it
+    gc.collect()
+    assert _threads_return_to(baseline)
+
+    assert sum(len(b[1]) for b in loader) == N  # a full epoch ends its threads too
+    assert _threads_return_to(baseline)
+
+
+def test_a_new_iteration_ends_the_previous_one(ds):
+    baseline = threading.active_count()
+    loader = BatchLoader(ds, 4)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="newer iteration"):
+        next(first)
+    assert sum(len(b[1]) for b in second) == N
+    del first, second
+    assert _threads_return_to(baseline)
+
+
+def _mark_bad(cache, record):
+    m = json.loads((cache / "manifest.json").read_text())
+    state = np.fromfile(cache / m["files"]["state"], dtype=fmt.STATE_DTYPE)
+    state["state"][record] = fmt.BAD_UNDECODABLE
+    state.tofile(cache / m["files"]["state"])
+
+
+def test_a_bad_record_raises_the_dataset_error_from_the_thread(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(16, 8)] * 12})
+    build_cache(src, tmp_path / "cache", workers=1)
+    _mark_bad(tmp_path / "cache", 9)
+    ds = MemmapImageDataset(tmp_path / "cache")
+    with pytest.raises(DecodeError, match="img_009.jpg: not in the cache"):
+        ds[9]
+    baseline = threading.active_count()
+    it = iter(BatchLoader(ds, 4, num_threads=2))
+    assert len(next(it)[0]) == 4  # batches before the bad record come through
+    with pytest.raises(DecodeError, match="img_009.jpg: not in the cache"):
+        for _ in it:
+            pass
+    assert _threads_return_to(baseline)
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        next(it)
+
+
+def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds):
+    class Boom(Exception):
+        pass
+
+    def explode():
+        raise Boom("from the copying thread")
+
+    loader = BatchLoader(ds, 4, sampler=(explode() if i == 9 else i for i in range(N)))
+    with pytest.raises(Boom):  # raised while the order is drawn, in the caller
+        iter(loader)
+
+    baseline = threading.active_count()
+    ds2 = MemmapImageDataset(ds.cache)
+    ds2._offsets = None  # breaks the copy inside the threads, not the construction
+    with pytest.raises(TypeError):
+        list(BatchLoader(ds2, 4))
+    assert _threads_return_to(baseline)
+
+
+def test_a_cache_of_several_shapes_is_refused(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "mixed", workers=1)
+    found = r"one shape \(H x W x C\), found 4: 17x33x3 \(3 images\), "
+    with pytest.raises(MixedShapesError, match=found) as e:
+        BatchLoader(MemmapImageDataset(tmp_path / "mixed"), 4)
+    assert "64x48x3 (3 images)" in str(e.value) and isinstance(e.value, ValueError)
+
+
+def test_bad_arguments(ds):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        BatchLoader(ds, 4, shuffle=True, sampler=range(3))
+    with pytest.raises(ValueError, match=">= 1"):
+        BatchLoader(ds, 0)
+    with pytest.raises(ValueError, match="transform"):
+        BatchLoader(MemmapImageDataset(ds.cache, transform=np.flipud), 4)
+    with pytest.raises(IndexError, match="index 24, outside 0..23"):
+        iter(BatchLoader(ds, 4, sampler=[0, 24]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the fallback without CUDA")
+def test_pin_memory_without_cuda_falls_back_to_pageable_buffers(ds):
+    with pytest.warns(UserWarning, match="pin_memory=True but CUDA is not available"):
+        loader = BatchLoader(ds, 8, pin_memory=True)
+    assert loader.pin_memory is False
+    images, _ = next(iter(loader))
+    assert not images.is_pinned() and np.array_equal(images[0].numpy(), ds[0][0])
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        BatchLoader(ds, 8, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory, a GPU)")
+def test_pinned_buffers_and_asynchronous_copy_to_cuda(ds):
+    images, _ = next(iter(BatchLoader(ds, 8, pin_memory=True)))
+    assert images.is_pinned()
+    loader = BatchLoader(ds, 5, shuffle=True, device="cuda", num_threads=2)
+    kept = []
+    for images, labels in loader:
+        assert images.is_cuda and labels.is_cuda
+        kept.append((images, labels))  # device batches are fresh tensors: keeping them is safe
+    images = torch.cat([k[0] for k in kept]).cpu()
+    labels = torch.cat([k[1] for k in kept]).cpu()
+    which = _which(ds)
+    seen = [which[row.numpy().tobytes()] for row in images]
+    assert sorted(seen) == list(range(N))
+    assert labels.tolist() == [ds.targets[i] for i in seen]
+
+
+def test_counter_of_records_with_threads_and_prefetch(ds):
+    # Many small batches, several threads, a deep and a shallow ring: still each record once.
+    for prefetch in (1, 4):
+        seen, _ = _collect(BatchLoader(ds, 1, shuffle=True, num_threads=4, prefetch=prefetch), ds)
+        assert Counter(seen) == Counter(range(N))

@@ -1,0 +1,166 @@
+"""QuasiRandomSampler: coverage, ranks, determinism, locality, and use with a DataLoader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder
+from torch.utils.data import DataLoader
+
+from mmcache import MemmapImageDataset, QuasiRandomSampler, build_cache
+from mmcache import sampler as sampler_mod
+
+
+def _order(n: int, **kw) -> list[int]:
+    return list(QuasiRandomSampler(range(n), **kw))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 1000, 1001])
+@pytest.mark.parametrize("block_size", [1, 5, 64])
+def test_every_index_once_per_epoch(n, block_size):
+    s = QuasiRandomSampler(range(n), block_size=block_size, buffer_blocks=3, seed=1)
+    for epoch in range(3):
+        s.set_epoch(epoch)
+        order = list(s)
+        assert len(order) == len(s) == n
+        assert sorted(order) == list(range(n))
+        assert all(type(i) is int for i in order)
+
+
+@pytest.mark.parametrize("n", [1000, 1003, 5])
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_ranks_pad_to_cover_everything(n, replicas):
+    parts = [
+        _order(n, block_size=16, num_replicas=replicas, rank=r, seed=3) for r in range(replicas)
+    ]
+    per = -(-n // replicas)
+    assert all(len(p) == per for p in parts)
+    flat = [i for p in parts for i in p]
+    assert set(flat) == set(range(n))
+    # Padding repeats exactly as many indices as the remainder needs, each once more.
+    counts = np.bincount(flat, minlength=n)
+    assert (counts >= 1).all() and counts.sum() - n == per * replicas - n
+    if n % replicas == 0:
+        assert (counts == 1).all()  # disjoint
+
+
+@pytest.mark.parametrize("n", [1000, 1003, 5])
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_ranks_drop_last_are_disjoint(n, replicas):
+    parts = [
+        _order(n, block_size=16, num_replicas=replicas, rank=r, drop_last=True)
+        for r in range(replicas)
+    ]
+    assert all(len(p) == n // replicas for p in parts)
+    flat = [i for p in parts for i in p]
+    assert len(set(flat)) == len(flat)  # disjoint
+    assert len(set(range(n)) - set(flat)) == n % replicas
+
+
+def test_deterministic_by_seed_and_epoch_and_different_each_epoch():
+    a = QuasiRandomSampler(range(5000), block_size=32, seed=7)
+    b = QuasiRandomSampler(range(5000), block_size=32, seed=7)
+    assert list(a) == list(b)
+    first = list(a)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    assert list(a) == list(b) != first
+    a.set_epoch(0)
+    assert list(a) == first  # an epoch's order depends on nothing else
+    assert _order(5000, block_size=32, seed=8) != first
+
+
+def _sequential_share(order: list[int]) -> float:
+    """Share of consecutive picks that land within 64 records of the previous one."""
+    o = np.asarray(order)
+    return float((np.abs(np.diff(o)) < 64).mean())
+
+
+def test_reads_stay_local_unlike_a_random_order():
+    n = 20_000
+    order = _order(n, block_size=64, buffer_blocks=4)
+    # Within a buffer of 4 blocks of 64, about a quarter of steps stay in the same block.
+    assert _sequential_share(order) > 0.2
+    random_order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    assert _sequential_share(random_order) < 0.02
+    # Each buffer holds whole blocks: the picks between buffer starts touch at most 4 blocks,
+    # also after the short last block (20000 = 312 * 64 + 32).
+    _, starts = QuasiRandomSampler(range(n), block_size=64, buffer_blocks=4)._epoch()
+    blocks = np.asarray(order) // 64
+    bounds = [*starts.tolist(), n]
+    assert len(bounds) == -(-313 // 4) + 1
+    for a, z in zip(bounds[:-1], bounds[1:]):
+        assert len(set(blocks[a:z].tolist())) <= 4
+
+
+def test_each_rank_reads_whole_blocks():
+    n, replicas = 4096, 4
+    for r in range(replicas):
+        order = _order(n, block_size=64, num_replicas=replicas, rank=r)
+        touched = set((np.asarray(order) // 64).tolist())
+        assert len(touched) == n // replicas // 64  # no block is split between ranks
+
+
+def test_default_block_size_follows_record_bytes(tmp_path, monkeypatch):
+    make_folder(tmp_path / "src", {"a": [(64, 32)] * 20})
+    build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    ds = MemmapImageDataset(tmp_path / "c")
+    monkeypatch.setattr(sampler_mod, "BLOCK_BYTES", 64 * 32 * 3 * 5)
+    assert QuasiRandomSampler(ds).block_size == 5
+    assert QuasiRandomSampler(list(range(20))).block_size == sampler_mod.DEFAULT_BLOCK_SIZE
+    assert QuasiRandomSampler(ds, block_size=3).block_size == 3
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_replicas": 0},
+        {"num_replicas": 2, "rank": 2},
+        {"rank": -1},
+        {"block_size": 0},
+        {"buffer_blocks": 0},
+        {"seed": -1},
+    ],
+)
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        QuasiRandomSampler(range(10), **kw)
+
+
+def test_with_a_dataloader_and_workers(tmp_path):
+    make_folder(tmp_path / "src", {"a": [(16, 8)] * 30, "b": [(16, 8)] * 30})
+    build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    ds = MemmapImageDataset(tmp_path / "c")
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=5)
+    loader = DataLoader(ds, batch_size=8, sampler=s, num_workers=2)
+    labels = torch.cat([y for _, y in loader])
+    assert len(labels) == 60 and labels.sum() == 30
+    # The batches follow the sampler's order (prefetching does not change it).
+    expected = torch.tensor([ds.targets[i] for i in s.indices()])
+    assert torch.equal(labels, expected)
+    # Breaking off an epoch closes the prefetcher cleanly; the next epoch is whole.
+    it = iter(s)
+    next(it)
+    it.close()
+    assert sorted(s) == list(range(60))
+
+
+def test_prefetch_reads_the_next_buffer(tmp_path):
+    from test_residency import _fs_type
+
+    from mmcache import cache_info, evict_cache
+
+    if _fs_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("on tmpfs a file's pages cannot be evicted")
+    make_folder(tmp_path / "src", {"a": [(128, 96)] * 64})
+    build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    ds = MemmapImageDataset(tmp_path / "c")
+    evict_cache(tmp_path / "c")
+    before = cache_info(tmp_path / "c", check_stale=False).resident_bytes
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2)
+    it = iter(s)
+    next(it)  # advises buffers 0 and 1 (16 records), reads no pixels itself
+    it.close()
+    after = cache_info(tmp_path / "c", check_stale=False).resident_bytes
+    assert before == 0 and after >= 16 * 128 * 96 * 3 * 0.9
