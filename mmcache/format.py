@@ -48,7 +48,7 @@ A cache is one folder; move or copy it as a unit. Its files:
     code >= 2 (the file could not be cached; ``BAD_REASONS`` says why). Only this file changes
     after publication, and only in lazy mode: a filler writes the pixels, then ``crc32`` and
     ``state`` together, so a record that reads ``FILLED`` is complete. In a ``"build"`` cache
-    every record is ``FILLED``.
+    every record is ``FILLED`` (a reader MUST refuse ``EMPTY`` there).
 
 ``paths-<generation>.bin``
     The source paths, relative to the source root, ``/``-separated, UTF-8 (a file name that is
@@ -590,8 +590,8 @@ def validate_records(
     _first_bad(index["flags"] != 0, where, "reserved flags set")
     codes = state["state"]
     _first_bad(codes > max(BAD_REASONS), manifest.file("state"), "unknown record state")
-    if manifest.mode == "build":
-        _first_bad(codes != FILLED, manifest.file("state"), "not filled in a built cache")
+    if manifest.mode == "build":  # (a BAD_* code is read as such: ds[i] raises DecodeError)
+        _first_bad(codes == EMPTY, manifest.file("state"), "empty in a built cache")
     if isinstance(paths_blob, int):
         return
     _validate_paths(index, paths_blob, where)

@@ -111,6 +111,11 @@ def verify_cache(
         seconds=0.0,
         empty=int((files.state["state"] == fmt.EMPTY).sum()),
     )
+    if files.manifest.mode == "build":  # a built cache has every record FILLED
+        for i in np.flatnonzero(files.state["state"] != fmt.FILLED):
+            code = int(files.state["state"][i])
+            what = f"marked bad ({fmt.BAD_REASONS.get(code, code)}) in a built cache"
+            report.bad.append(BadRecord(int(i), files.path(int(i)), what))
     _check_checksums(files, filled, report, progress, total)
     if len(chosen):
         _compare_source(files, chosen, report, progress, total)

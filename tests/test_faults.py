@@ -32,6 +32,7 @@ from mmcache import (
     CacheError,
     CacheFormatError,
     CacheNotFoundError,
+    DecodeError,
     DestinationError,
     InsufficientSpaceError,
     MemmapImageDataset,
@@ -273,7 +274,8 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         for leave in leaves:
             _fill(disk, leave)
             try:
-                build_cache(source.roots["B"], cache, workers=workers)
+                # force: past the free-space check before the build, to the disk filling up
+                build_cache(source.roots["B"], cache, workers=workers, force=True)
             except InsufficientSpaceError as e:
                 assert "disk is full" in str(e) and "previous cache" in str(e)
                 assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
@@ -287,6 +289,11 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
             with contextlib.suppress(FileNotFoundError):
                 (disk / "filler").unlink()
         assert outcomes["refused"] >= 2
+        _fill(disk, 0)  # without force, the free-space check refuses before writing anything
+        with pytest.raises(InsufficientSpaceError, match="free some space"):
+            build_cache(source.roots["B"], cache, workers=workers)
+        assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
+        (disk / "filler").unlink()
         assert len(MemmapImageDataset(cache, on_stale="ignore")) == 20
         assert verify_cache(cache).ok
 
@@ -463,9 +470,17 @@ def test_bit_flips_are_refused_at_open_or_found_by_verify(pristine, tmp_path, ta
                 MemmapImageDataset(cache, on_stale="ignore")
             tally["corruptions detected"] += 1
         elif kind == "state" and pos % fmt.STATE_DTYPE.itemsize >= 4:
-            # the state word of a built cache is FILLED: any other value is refused
-            with pytest.raises(CacheFormatError, match="state"):
-                MemmapImageDataset(cache, on_stale="ignore")
+            # the state word of a built cache is FILLED: EMPTY or unknown codes are refused at
+            # open; a BAD_* code is named by verify, and reading the record raises
+            i = pos // fmt.STATE_DTYPE.itemsize
+            code = int.from_bytes(damaged[i * 8 + 4 : i * 8 + 8], "little")
+            if code in fmt.BAD_REASONS:
+                assert [b.index for b in verify_cache(cache).bad] == [i]
+                with pytest.raises(DecodeError, match="not in the cache"):
+                    MemmapImageDataset(cache, on_stale="ignore")[i]
+            else:
+                with pytest.raises(CacheFormatError, match="state"):
+                    MemmapImageDataset(cache, on_stale="ignore")
             tally["corruptions detected"] += 1
         else:
             # a flipped stored CRC, or flipped pixels: the record is named by verify and by

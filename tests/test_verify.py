@@ -122,3 +122,17 @@ def test_structural_damage_is_an_error_not_a_report(cache, capsys):
         verify_cache(cache)
     assert main(["verify", str(cache)]) == 1
     assert "mmcache: error:" in capsys.readouterr().err
+
+
+def test_a_record_marked_bad_in_a_built_cache_is_named(cache):
+    files = fmt.open_cache(cache)
+    state = np.fromfile(files.manifest.file("state"), fmt.STATE_DTYPE)
+    state["state"][2] = fmt.BAD_SOURCE_CHANGED
+    state.tofile(files.manifest.file("state"))
+    report = verify_cache(cache)
+    assert [(b.index, b.path) for b in report.bad] == [(2, files.path(2))]
+    assert report.checked == 11 and "in a built cache" in report.bad[0].what
+    state["state"][2] = fmt.EMPTY  # never written by a build: refused at open
+    state.tofile(files.manifest.file("state"))
+    with pytest.raises(CacheFormatError, match="record 2: empty in a built cache"):
+        verify_cache(cache)
