@@ -10,15 +10,18 @@ The format, build and decode parts import without torch; ``MemmapImageDataset`` 
 """
 
 from ._version import __version__
-from .build import BuildReport, build_cache
+from .build import BuildReport, build_cache, create_lazy_cache
+from .copying import CopyReport, copy_cache
 from .decode import Options, decode_image
 from .errors import (
+    BadImageWarning,
     CacheError,
     CacheFormatError,
     CacheNotFoundError,
     CacheStaleError,
     DecodeError,
     DestinationError,
+    DistributedBuildError,
     InsufficientSpaceError,
     MixedShapesError,
     NotACacheError,
@@ -35,6 +38,7 @@ __all__ = [
     "__version__",
     "BadRecord",
     "BatchLoader",
+    "BadImageWarning",
     "BuildReport",
     "CachePlan",
     "CacheInfo",
@@ -42,8 +46,10 @@ __all__ = [
     "CacheFormatError",
     "CacheNotFoundError",
     "CacheStaleError",
+    "CopyReport",
     "DecodeError",
     "DestinationError",
+    "DistributedBuildError",
     "InsufficientSpaceError",
     "MemmapImageDataset",
     "MixedShapesError",
@@ -56,7 +62,9 @@ __all__ = [
     "VerifyReport",
     "WarmReport",
     "build_cache",
+    "copy_cache",
     "check_free_space",
+    "create_lazy_cache",
     "decode_image",
     "plan_cache",
     "cache_info",

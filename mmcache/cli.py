@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
-from .errors import CacheError
+from .errors import CacheError, DistributedBuildError
 from .space import human_bytes as _human_bytes
+
+# The bench's method keys, spelled here so that --help does not import torch (mmcache.bench).
+_BENCH_METHODS = (
+    "decode",
+    "manager_dict",
+    "in_memory",
+    "mmcache",
+    "lazy",
+    "batch_loader",
+    "copy_loop",
+)
 
 
 class _Progress:
@@ -113,7 +127,18 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
 def _cmd_build(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _cmd_plan(args)
-    bar = _Progress("decoding")
+    # torchrun sets WORLD_SIZE and RANK: then every rank runs this and they build together.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .distributed import torchrun_process_group
+
+        rank = int(os.environ.get("RANK", "0"))
+        with torchrun_process_group(args.dist_timeout), _sigterm_fails(rank):
+            return _run_build(args, rank, "decoding (rank 0's share)")
+    return _run_build(args, 0, "decoding")
+
+
+def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
+    bar = _Progress(desc) if rank == 0 else None  # one bar: several would garble the terminal
     try:
         report = build_cache(
             args.source,
@@ -123,13 +148,49 @@ def _cmd_build(args: argparse.Namespace) -> int:
             progress=bar,
             force=args.force,
             trust_decoder=args.trust_decoder,
+            dist_timeout=args.dist_timeout,
             **_preprocessing_kwargs(args),
         )
     finally:
+        if bar is not None:
+            bar.close()
+    if rank == 0:
+        _print_build(report, print)
+        if report.trusted_decoder:
+            print("  kept pixels decoded by another decoder version (--trust-decoder, recorded)")
+    return 0
+
+
+@contextmanager
+def _sigterm_fails(rank: int) -> Iterator[None]:
+    """Turn SIGTERM into an error, so a rank stopped by torchrun cleans up and says why."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise DistributedBuildError(
+            f"rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails); "
+            "nothing was published"
+        )
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from .copying import copy_cache
+
+    bar = _Progress("copying", unit="B", unit_scale=True)
+    try:
+        report = copy_cache(args.cache, args.dest, progress=bar)
+    finally:
         bar.close()
-    _print_build(report, print)
-    if report.trusted_decoder:
-        print("  kept pixels decoded by another decoder version (--trust-decoder, recorded)")
+    print(
+        f"{report.dest}: {report.images:,} images, {_human_bytes(report.bytes)} "
+        f"({_human_bytes(report.copied)} copied, holes skipped), {report.seconds:.1f} s, "
+        f"{_human_bytes(report.bytes_per_second)}/s; {report.verified:,} records verified"
+    )
     return 0
 
 
@@ -362,6 +423,41 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import METHODS, run_bench, write_report
+
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    print(
+        f"mmcache bench: {args.source or f'{args.images} generated JPEGs'}, {args.epochs} "
+        f"epochs, batch {args.batch_size}, {args.workers} DataLoader workers, shuffled"
+        + (", cold page cache" if args.cold else ""),
+        flush=True,
+    )
+    report = run_bench(
+        source=args.source,
+        images=args.images,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        epochs=args.epochs,
+        build_workers=args.build_workers,
+        size=args.size,
+        cold=args.cold,
+        methods=methods,
+        workdir=args.workdir,
+        on_event=lambda line: print("  " + line, flush=True),
+    )
+    written = write_report(report, args.out)
+    print("targets (issue 5):")
+    for t in report.targets:
+        got = "n/a" if t.passed is None and t.value != t.value else f"{t.value:.2f}"
+        need = (">=" if t.higher_is_better else "<=") + f" {t.threshold:g}"
+        result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
+        print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0 if report.pixels_equal is not False else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmcache",
@@ -389,6 +485,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep a cache made by another decoder version instead of decoding it again",
     )
+    b.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for the others before the build fails "
+        "(default 1800)",
+    )
     b.set_defaults(func=_cmd_build)
 
     v = sub.add_parser("verify", help="check every record's checksum (and pixels vs the source)")
@@ -401,6 +505,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also decode the source again and compare: a 1%% sample (default) or all",
     )
     v.set_defaults(func=_cmd_verify)
+
+    c = sub.add_parser("copy", help="copy a cache (to a node's local disk) and verify the copy")
+    c.add_argument("cache", help="the cache folder to copy")
+    c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
+    c.set_defaults(func=_cmd_copy)
 
     pl = sub.add_parser(
         "plan", help="how big a cache would be under each resize policy (reads headers only)"
@@ -438,6 +547,25 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evict", help="drop a cache's pages from the page cache")
     e.add_argument("cache")
     e.set_defaults(func=_cmd_evict)
+
+    n = sub.add_parser("bench", help="time mmcache against the alternatives, one run, all methods")
+    n.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
+    n.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
+    n.add_argument("--image-size", type=parse_size, default=(720, 480), metavar="WxH")
+    n.add_argument("--epochs", type=int, default=3)
+    n.add_argument("--batch-size", type=int, default=64)
+    n.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    n.add_argument(
+        "--build-workers", type=int, default=None, help="build processes (default: cores)"
+    )
+    n.add_argument(
+        "--size", type=parse_size, metavar="WxH", help="resize all to WxH (mixed-size folders)"
+    )
+    n.add_argument("--cold", action="store_true", help="drop the page cache before each method")
+    n.add_argument("--methods", help="comma-separated subset of: " + ", ".join(_BENCH_METHODS))
+    n.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    n.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
+    n.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -19,8 +19,10 @@ __all__ = [
     "StrictBuildError",
     "InsufficientSpaceError",
     "DestinationError",
+    "DistributedBuildError",
     "MixedShapesError",
     "StaleCacheWarning",
+    "BadImageWarning",
 ]
 
 
@@ -74,9 +76,17 @@ class DestinationError(CacheError, OSError):
     """The cache cannot be written where it was asked to be (permissions, a file in the way)."""
 
 
+class DistributedBuildError(CacheError, RuntimeError):
+    """A rank of a distributed build failed, died or timed out; nothing was published."""
+
+
 class StaleCacheWarning(UserWarning):
     """A cache opened with ``on_stale="warn"`` no longer matches its source or decoder."""
 
 
 class MixedShapesError(CacheError, ValueError):
     """A batch of equal-shaped images was asked of a cache whose records differ in shape."""
+
+
+class BadImageWarning(UserWarning):
+    """A dataset with ``on_bad="substitute"`` returned another image in place of a bad one."""

@@ -69,7 +69,7 @@ class _Reader:
     segment walk has moved on; the second block follows wherever the walk seeks.
     """
 
-    __slots__ = ("_fd", "size", "head", "_win", "_win_at")
+    __slots__ = ("_fd", "_win", "_win_at", "head", "size")
 
     def __init__(self, fd: int, size: int) -> None:
         self._fd = fd
@@ -183,20 +183,20 @@ def _exif_orientation(r: _Reader, base: int, size: int) -> tuple[int, bool] | No
     header = r.read(base, 8)
     if len(header) < 8:
         return None
-    if header[:2] == b"II":
-        bo = "<"
-    elif header[:2] == b"MM":
-        bo = ">"
-    else:
-        return None
+    # OpenCV reads little-endian after "II" and big-endian after anything else, "MM" or garbage;
+    # garbage there is malformed enough that another OpenCV version may well reject it.
+    bo = "<" if header[:2] == b"II" else ">"
+    certain = header[:2] in (b"II", b"MM")
     mark, ifd = struct.unpack(bo + "HI", header[2:])
     if mark != 42 or ifd + 2 > size:
         return None
-    (count,) = struct.unpack(bo + "H", r.read(base + ifd, 2))
+    field = r.read(base + ifd, 2)
+    if len(field) < 2:
+        return None  # the file shrank since it was opened
+    (count,) = struct.unpack(bo + "H", field)
     walked = min(count, _MAX_IFD_ENTRIES)
     # Entries past the blob's end are cut off by the clipping, exactly where OpenCV would throw.
     data = r.read(base + ifd + 2, min(12 * walked, size - ifd - 2))
-    certain = True
     for e in range(0, 12 * walked, 12):
         if e + 2 > len(data):
             return None
@@ -572,7 +572,10 @@ def _webp(r: _Reader) -> tuple[int, int] | None:
     for _ in range(_MAX_WEBP_CHUNKS):
         if pos + 8 > riff_end:
             break
-        kind, length = struct.unpack("<4sI", r.read(pos, 8))
+        header = r.read(pos, 8)
+        if len(header) < 8:
+            return None  # the file shrank since it was opened
+        kind, length = struct.unpack("<4sI", header)
         if pos + 8 + length > riff_end:
             return None
         if kind in (b"VP8 ", b"VP8L") and size is None:

@@ -14,8 +14,11 @@ from .decode import decoder_accepted, decoder_versions
 from .scan import Listing, diff_listings, scan_source
 
 
-def stale_reason(files: fmt.CacheFiles) -> str | None:
-    """Why a cache no longer matches its source or decoder, or None if it still does."""
+def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str | None:
+    """Why a cache no longer matches its source or decoder, or None if it still does.
+
+    ``listing``: the source to compare with (default: scan the source the cache records).
+    """
     m = files.manifest
     reasons = []
     if not decoder_accepted(m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")):
@@ -23,17 +26,28 @@ def stale_reason(files: fmt.CacheFiles) -> str | None:
             f"it was decoded by {_versions(m.decoder)}, this machine decodes with "
             f"{_versions(None)} (`mmcache build --trust-decoder` keeps it as it is)"
         )
-    root = Path(m.source.get("root", ""))
-    source = m.source.get("list_file") if m.source.get("kind") == "list" else root
-    if source and Path(source).exists():
-        try:
-            listing = scan_source(source)
-        except Exception as e:  # a source that now fails to scan has changed, in a way
-            reasons.append(f"the source cannot be scanned ({e})")
-        else:
-            if listing.fingerprint() != m.fingerprints.get("listing"):
-                reasons.append("the source changed: " + _diff_summary(files, listing))
+    if listing is None:
+        source = recorded_source(m)
+        if source and Path(source).exists():
+            try:
+                listing = scan_source(source)
+            except Exception as e:  # a source that now fails to scan has changed, in a way
+                reasons.append(f"the source cannot be scanned ({e})")
+    if listing is not None:
+        if listing.source_json() != m.source:
+            reasons.append(f"it was made from {recorded_source(m)}, not {_source_of(listing)}")
+        elif listing.fingerprint() != m.fingerprints.get("listing"):
+            reasons.append("the source changed: " + _diff_summary(files, listing))
     return "; ".join(reasons) or None
+
+
+def recorded_source(m: fmt.Manifest) -> str:
+    """The folder or list file a cache was made from."""
+    return str(m.source.get("list_file") if m.source.get("kind") == "list" else m.source["root"])
+
+
+def _source_of(listing: Listing) -> str:
+    return str(listing.list_file if listing.kind == "list" else listing.root)
 
 
 def _diff_summary(files: fmt.CacheFiles, listing: Listing) -> str:

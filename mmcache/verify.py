@@ -116,7 +116,7 @@ def verify_cache(
             code = int(files.state["state"][i])
             what = f"marked bad ({fmt.BAD_REASONS.get(code, code)}) in a built cache"
             report.bad.append(BadRecord(int(i), files.path(int(i)), what))
-    _check_checksums(files, filled, report, progress, total)
+    check_checksums(files, filled, report, progress, total)
     if len(chosen):
         _compare_source(files, chosen, report, progress, total)
     report.bad.sort(key=lambda b: b.index)
@@ -132,17 +132,22 @@ def _nbytes(index: np.ndarray) -> np.ndarray:
     )
 
 
-def _check_checksums(
+def check_checksums(
     files: fmt.CacheFiles,
     records: np.ndarray,
     report: VerifyReport,
-    progress: ProgressFn | None,
-    total: int,
+    progress: ProgressFn | None = None,
+    total: int = 0,
 ) -> None:
-    """CRC-32 of each record, reading the data file in offset order with ``pread``.
+    """CRC-32 of each of ``records``, reading the data file in offset order with ``pread``;
+    adds to ``report``'s ``checked`` and ``bytes``, and a ``BadRecord`` per mismatch.
 
     ``pread`` rather than a memory map: a data file truncated while we read gives a short read,
-    which is reported, where a mapping would kill the process with SIGBUS.
+    which is reported, where a mapping would kill the process with SIGBUS. ``copy_cache``
+    checks its copies with this too.
+
+    Raises:
+        CacheFormatError: the data file ends before a record does.
     """
     index = files.index
     offsets = index["offset"].astype(np.int64)[records]

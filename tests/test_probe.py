@@ -8,6 +8,7 @@ malformed or hostile files (which must give None or the right answer, and never 
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -54,6 +55,13 @@ def pil_bytes(img: Image.Image, fmt: str, **kwargs) -> bytes:
     buf = io.BytesIO()
     img.save(buf, fmt, **kwargs)
     return buf.getvalue()
+
+
+def pil_exif(orientation: int) -> Image.Exif:
+    """EXIF for Pillow's save(exif=...), holding just an Orientation tag."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif
 
 
 # --- builders for hand-made files ---------------------------------------------------------------
@@ -248,11 +256,7 @@ def test_pillow_written_files(tmp_path: Path, fmt: str, kwargs: dict, mode: str)
     else:
         img = Image.fromarray(pixels(37, 53)).convert(mode)
     path = write(tmp_path / "img", pil_bytes(img, fmt, **kwargs))
-    expected = cv2_shape(path)
-    if expected is None:
-        assert_agrees(path)  # a combination OpenCV refuses: only "no wrong size" is required
-    else:
-        assert probe_size(path) == expected == (37, 53)
+    assert probe_size(path) == cv2_shape(path) == (37, 53)
 
 
 @pytest.mark.parametrize("order", ["<", ">"])
@@ -290,9 +294,7 @@ def test_extension_is_ignored(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_exif_orientation_honoured(tmp_path: Path, fmt: str, orientation: int) -> None:
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    data = pil_bytes(Image.fromarray(pixels(37, 53)), fmt, exif=exif)
+    data = pil_bytes(Image.fromarray(pixels(37, 53)), fmt, exif=pil_exif(orientation))
     path = write(tmp_path / "img", data)
     swapped = orientation in (5, 6, 7, 8)
     assert probe_size(path) == cv2_shape(path) == ((53, 37) if swapped else (37, 53))
@@ -304,17 +306,11 @@ def test_tiff_orientation(tmp_path: Path, orientation: int) -> None:
     for data in (
         tiff_file(37, 53, 3, "<", 3, orientation),
         tiff_file(37, 53, 1, ">", 4, orientation),
-        pil_bytes(Image.fromarray(pixels(37, 53)), "TIFF", exif=_pil_exif(orientation)),
+        pil_bytes(Image.fromarray(pixels(37, 53)), "TIFF", exif=pil_exif(orientation)),
     ):
         path = write(tmp_path / "img.tif", data)
         assert probe_size(path) == cv2_shape(path)
         assert probe_size(path) == (None if orientation >= 5 else (37, 53))
-
-
-def _pil_exif(orientation: int) -> Image.Exif:
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    return exif
 
 
 @pytest.mark.parametrize("order", ["<", ">"])
@@ -382,6 +378,10 @@ def _jpeg_cases() -> dict[str, tuple[bytes, bool]]:
         "exif_bad_signature": (
             jpeg_with(base, jpeg_segment(0xE1, b"Exif\x00\xff" + exif_tiff(6))),
             True,
+        ),
+        "exif_garbage_byte_order": (
+            jpeg_with(base, jpeg_segment(0xE1, b"Exif\x00\x00XY" + exif_tiff(6, ">")[2:])),
+            False,  # OpenCV 5.1 reads it as big-endian; None is right too
         ),
         "exif_in_app0": (jpeg_with(base, jpeg_segment(0xE0, b"Exif\x00\x00" + exif_tiff(6))), True),
         "exif_orientation_9": (
@@ -602,31 +602,34 @@ def test_malformed_inputs_never_raise(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP", "WEBP", "TIFF"])
 def test_every_truncation_agrees(tmp_path: Path, fmt: str) -> None:
-    kwargs = {} if fmt == "BMP" else {"exif": _pil_exif(6)}  # BMP has no EXIF
+    kwargs = {} if fmt == "BMP" else {"exif": pil_exif(6)}  # BMP has no EXIF
     data = pil_bytes(Image.fromarray(pixels(37, 53)), fmt, **kwargs)
-    path = tmp_path / "img"
-    cuts = sorted(set(range(0, min(len(data), 400))) | set(range(400, len(data), 97)))
-    for cut in cuts:
-        write(path, data[:cut])
+    path = write(tmp_path / "img", data)
+    cuts = set(range(min(len(data), 400))) | set(range(400, len(data), 97))
+    for cut in sorted(cuts, reverse=True):
+        os.truncate(path, cut)  # far cheaper than rewriting the file each time
         assert_agrees(path)
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP", "WEBP", "TIFF"])
 def test_random_corruption_never_raises(tmp_path: Path, fmt: str) -> None:
-    kwargs = {} if fmt == "BMP" else {"exif": _pil_exif(6)}
+    kwargs = {} if fmt == "BMP" else {"exif": pil_exif(6)}
     data = pil_bytes(Image.fromarray(pixels(37, 53)), fmt, **kwargs)
     rng = np.random.default_rng(11)
-    path = tmp_path / "img"
+    path = write(tmp_path / "img", data)
     head = min(len(data), 512)  # the headers: where corruption matters to the probe
-    for _ in range(300):
-        mutated = bytearray(data)
-        for at in rng.integers(0, head, int(rng.integers(1, 6))):
-            mutated[at] = int(rng.integers(0, 256))
-        write(path, bytes(mutated))
-        got = probe_size(path)
-        if got is not None:
-            assert isinstance(got, tuple) and len(got) == 2
-            assert all(isinstance(v, int) and v > 0 for v in got)
+    with open(path, "r+b") as f:  # rewrite only the head in place: cheaper than new files
+        for _ in range(300):
+            mutated = bytearray(data[:head])
+            for at in rng.integers(0, head, int(rng.integers(1, 6))):
+                mutated[at] = int(rng.integers(0, 256))
+            f.seek(0)
+            f.write(mutated)
+            f.flush()
+            got = probe_size(path)
+            if got is not None:
+                assert isinstance(got, tuple) and len(got) == 2
+                assert all(isinstance(v, int) and v > 0 for v in got)
 
 
 def test_missing_file_raises_oserror(tmp_path: Path) -> None:

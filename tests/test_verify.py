@@ -63,10 +63,11 @@ def test_first_read_checks_once_per_process(cache):
     ds = MemmapImageDataset(cache, verify="first-read")
     ds[3]
     files, off, n = _record(cache, 3)
-    ds._data[off] ^= 1  # the private mapping: this process's copy changes, the file does not
+    _flip(files.manifest.file("data"), off, bit=0)  # the shared mapping sees this at once
     ds[3]  # already checked in this process: not again
     copy = MemmapImageDataset(cache, verify="first-read")
-    copy[3]  # a new dataset (as in a new worker) checks again, and the file is sound
+    with pytest.raises(CacheFormatError, match="record 3"):
+        copy[3]  # a new dataset (as in a new worker) checks again
 
 
 def test_verify_option_is_checked(cache):

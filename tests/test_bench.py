@@ -1,0 +1,91 @@
+"""The benchmark runs end to end on a tiny folder and reports every method it has (no timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmcache.bench import METHODS, has_batch_loader, has_lazy_mode, run_bench, write_report
+from mmcache.cli import main
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench")
+    return run_bench(
+        images=8,
+        image_size=(64, 48),
+        batch_size=4,
+        workers=0,
+        epochs=2,
+        build_workers=1,
+        workdir=work,
+        decode_sample=4,
+    )
+
+
+def test_every_available_method_runs_and_the_rest_say_why(report):
+    by_key = {m.key: m for m in report.methods}
+    assert list(by_key) == list(METHODS)  # all, in table order
+    expected_skips = {"lazy": not has_lazy_mode(), "batch_loader": not has_batch_loader()}
+    for key, m in by_key.items():
+        if expected_skips.get(key):
+            assert m.skipped and not m.epoch_seconds
+            continue
+        assert not m.skipped, key
+        assert m.images == 8, key
+        assert len(m.epoch_seconds) == 2 and all(t > 0 for t in m.epoch_seconds), key
+        # The main process alone holds tens of MB (numpy, torch): a zero means no sample.
+        assert m.peak_pss > 10e6 and m.peak_uss > 10e6, key
+    assert by_key["in_memory"].prepare_seconds > 0
+    assert report.pixels_equal is True
+    assert report.cache_bytes == 8 * 64 * 48 * 3
+    assert report.build_images_per_second > 0 and report.decode_images_per_second > 0
+
+
+def test_targets_are_computed_from_the_run(report):
+    names = [t.name for t in report.targets]
+    assert len(names) == 9
+    first = report.targets[0]  # MemmapImageDataset / decode every epoch
+    mm, dec = report.method("mmcache"), report.method("decode")
+    assert first.value == pytest.approx(mm.steady_images_per_second / dec.steady_images_per_second)
+    assert first.passed == (first.value >= 2.5)
+    lazy_target = next(t for t in report.targets if t.name.startswith("lazy"))
+    assert (lazy_target.passed is None) == (not has_lazy_mode())
+
+
+def test_report_files(report, tmp_path):
+    written = write_report(report, tmp_path / "out")
+    assert {p.name for p in written} >= {"results.md", "results.json"}
+    md = (tmp_path / "out" / "results.md").read_text()
+    for m in report.methods:
+        assert f"| {m.name} |" in md
+    assert "## Targets" in md and "cores: " in md and "opencv: " in md
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [m["key"] for m in data["methods"]] == list(METHODS)
+    assert data["settings"]["batch_size"] == 4
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "out" / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_on_a_given_folder(small_folder, tmp_path, capsys):
+    # Mixed image sizes, resized to one by the build and the baselines alike.
+    out = tmp_path / "out"
+    argv = ["bench", "--source", str(small_folder), "--epochs", "1", "--workers", "0"]
+    argv += ["--size", "32x24", "--batch-size", "4", "--build-workers", "1", "--out", str(out)]
+    argv += ["--methods", "decode,in_memory,mmcache,copy_loop", "--workdir", str(tmp_path / "w")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "targets (issue 5):" in printed and "results.md" in printed
+    data = json.loads((out / "results.json").read_text())
+    by_key = {m["key"]: m for m in data["methods"]}
+    assert set(by_key) == {"decode", "in_memory", "mmcache", "copy_loop"}
+    assert by_key["decode"]["images"] == 12 and by_key["mmcache"]["images"] == 12
+    assert all(len(m["epoch_seconds"]) == 1 for m in by_key.values())
+    assert data["settings"]["resize"] == "32x24"
+
+
+def test_unknown_method_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown method"):
+        run_bench(methods=["decode", "nope"], workdir=tmp_path)

@@ -1,0 +1,419 @@
+"""Lazy mode: a cache filled on first read, by any process, resumable after kill -9; refresh."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder, write_image
+from torch.utils.data import DataLoader
+
+import mmcache.build
+from mmcache import (
+    BadImageWarning,
+    CacheStaleError,
+    DecodeError,
+    InsufficientSpaceError,
+    MemmapImageDataset,
+    StaleCacheWarning,
+    build_cache,
+    create_lazy_cache,
+    decode_image,
+)
+from mmcache import format as fmt
+
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    """24 JPEGs of mixed sizes in 3 classes: records of several sizes share pages."""
+    sizes = [(40, 30), (30, 40), (17, 33), (64, 48)] * 2
+    return make_folder(tmp_path / "src", {"cat": sizes, "dog": sizes, "emu": sizes})
+
+
+def _files(cache: Path) -> fmt.CacheFiles:
+    return fmt.read_cache_files(fmt.read_manifest(cache))
+
+
+def _codes(cache: Path) -> np.ndarray:
+    return _files(cache).state["state"]
+
+
+def _record(files: fmt.CacheFiles, i: int) -> bytes:
+    r = files.index[i]
+    n = int(r["height"]) * int(r["width"]) * int(r["channels"])
+    with open(files.manifest.file("data"), "rb") as f:
+        f.seek(int(r["offset"]))
+        return f.read(n)
+
+
+def assert_equals_build(cache: Path, src: Path, ref: Path, **options) -> None:
+    """``cache`` is complete and, record for record, what ``mmcache build`` makes of ``src``."""
+    assert build_cache(src, cache, workers=1, **options).up_to_date
+    build_cache(src, ref, workers=1, **options)
+    a, b = _files(cache), _files(ref)
+    assert a.manifest.classes == b.manifest.classes
+    assert a.manifest.count == b.manifest.count
+    assert a.paths_blob == b.paths_blob
+    # offsets, shapes, labels, path positions, source sizes and mtimes
+    assert np.array_equal(a.index, b.index)
+    assert np.array_equal(a.state, b.state)  # all FILLED, with the same crc32
+    assert all(_record(a, i) == _record(b, i) for i in range(a.manifest.count))
+
+
+def test_creation_decodes_nothing_and_publishes_empty_records(src, tmp_path, monkeypatch):
+    decoded = []
+    real = cv2.imread
+    monkeypatch.setattr(cv2, "imread", lambda p, *a: decoded.append(p) or real(p, *a))
+    report = create_lazy_cache(src, tmp_path / "cache")
+    assert decoded == [] and report.decoded == 0
+    assert (report.images, report.pending) == (0, 24)
+    m = fmt.read_manifest(tmp_path / "cache")
+    assert m.mode == "lazy" and m.count == 24
+    assert (_codes(tmp_path / "cache") == fmt.EMPTY).all()
+    data = m.file("data")
+    assert data.stat().st_size == m.sizes["data"] > 0
+    assert data.stat().st_blocks == 0  # sparse: nothing written yet
+    # the same request again finds it current and leaves it alone
+    again = create_lazy_cache(src, tmp_path / "cache")
+    assert again.up_to_date and fmt.read_manifest(tmp_path / "cache").generation == m.generation
+
+
+def test_fill_with_two_workers_equals_the_build_and_epoch_two_decodes_nothing(src, tmp_path):
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    epoch1 = [(img.numpy().copy(), label) for img, label in loader]
+    assert [label for _, label in epoch1] == ds.targets
+    for (path, _), (img, _) in zip(ds.samples, epoch1):
+        assert np.array_equal(img, decode_image(path))
+    assert_equals_build(cache, src, tmp_path / "ref")
+    # Epoch two must not decode: with the source gone, any decode would fail.
+    os.rename(src, tmp_path / "gone")
+    epoch2 = [(img.numpy(), label) for img, label in loader]
+    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(epoch1, epoch2))
+    # and a later run, opening the cache alone, reads the same
+    later = MemmapImageDataset(cache, on_stale="ignore")
+    assert all(np.array_equal(later[i][0], epoch1[i][0]) for i in range(len(later)))
+
+
+def test_fills_by_another_process_are_seen_through_this_process_mapping(src, tmp_path):
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    first = ds[1][0].copy()  # maps the data file here and fills record 1 (records 0-1 share a page)
+    ds.read(1)  # reads record 1 back through the mapping: its page is now mapped here
+    child = FORK.Process(target=_read_all, args=(cache, src, range(0, 24, 2)))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    codes = _codes(cache)
+    assert (codes[0::2] == fmt.FILLED).all() and codes[3] == fmt.EMPTY
+    expected = [decode_image(ds.samples[i][0]) for i in range(24)]
+    os.rename(src, tmp_path / "gone")  # so that nothing can be decoded again here
+    for i in range(0, 24, 2):  # filled by the child; this process reads them from its mapping
+        assert np.array_equal(ds.read(i), expected[i]), i
+    assert np.array_equal(ds.read(1), first)
+
+
+def _read_all(cache: Path, src: Path, order, counter=None, pause: float = 0.0) -> None:
+    ds = MemmapImageDataset(cache, source=src)
+    for i in order:
+        img, _ = ds[i]
+        if not np.array_equal(img, decode_image(ds.samples[i][0])):
+            raise SystemExit(f"wrong pixels for record {i}")
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += 1
+        time.sleep(pause)
+
+
+def test_a_filler_killed_half_way_is_resumed_by_the_next_run(src, tmp_path):
+    cache = tmp_path / "cache"
+    done = FORK.Value("i", 0)
+    child = FORK.Process(target=_read_all, args=(cache, src, range(24), done, 0.05))
+    child.start()
+    deadline = time.monotonic() + 60
+    while done.value < 12:
+        assert child.is_alive() and time.monotonic() < deadline
+        time.sleep(0.002)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
+    codes = _codes(cache)
+    assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
+    ds = MemmapImageDataset(cache, source=src)
+    assert all(np.array_equal(ds[i][0], decode_image(ds.samples[i][0])) for i in range(24))
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def _label_and_pid(label: int) -> tuple[int, int]:
+    return label, os.getpid()
+
+
+def _slow(img: np.ndarray) -> np.ndarray:
+    time.sleep(0.02)
+    return img
+
+
+def test_a_dataloader_worker_killed_mid_epoch_leaves_a_cache_the_next_epoch_completes(
+    src, tmp_path
+):
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, transform=_slow, target_transform=_label_and_pid, source=src)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    pids = {next(it)[1][1] for _ in range(12)}
+    os.kill(pids.pop(), signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for _ in it:
+            pass
+    del it
+    codes = _codes(cache)
+    assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
+    ds = MemmapImageDataset(cache, source=src)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    for (path, _), (img, _) in zip(ds.samples, loader):
+        assert np.array_equal(img.numpy(), decode_image(path))
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_a_record_torn_by_a_kill_between_pixels_and_state_is_redone(src, tmp_path):
+    cache = tmp_path / "cache"
+    create_lazy_cache(src, cache)
+    files = _files(cache)
+    r = files.index[5]
+    torn = np.full(int(r["height"]) * int(r["width"]) * 3 // 2, 77, np.uint8)
+    with open(files.manifest.file("data"), "r+b") as f:  # half the pixels written, no state
+        f.seek(int(r["offset"]))
+        f.write(torn.tobytes())
+    ds = MemmapImageDataset(cache, source=src)
+    assert np.array_equal(ds[5][0], decode_image(ds.samples[5][0]))
+    assert all(ds[i][0] is not None for i in range(24))
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_two_concurrent_fillers_both_finish_with_correct_pixels(src, tmp_path):
+    cache = tmp_path / "cache"
+    # Both create the cache (one waits for the other's lock), then fill it in opposite orders.
+    children = [
+        FORK.Process(target=_read_all, args=(cache, src, order, None, 0.002))
+        for order in (range(24), range(23, -1, -1))
+    ]
+    for c in children:
+        c.start()
+    for c in children:
+        c.join()
+    assert [c.exitcode for c in children] == [0, 0]
+    assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4  # one generation
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_options_are_applied_and_a_change_of_options_starts_a_new_lazy_cache(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=1)
+    ds = MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+    m = fmt.read_manifest(cache)
+    assert m.mode == "lazy" and (_codes(cache) == fmt.EMPTY).all()
+    assert ds[3][0].shape == (12, 16, 1)
+    assert all(ds[i][0].shape == (12, 16, 1) for i in range(24))
+    assert_equals_build(cache, src, tmp_path / "ref", size=(16, 12), color="gray")
+    # the same options again open the cache as it is
+    MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+    assert fmt.read_manifest(cache).generation == m.generation
+    with pytest.raises(ValueError, match="only with source"):
+        MemmapImageDataset(cache, size=(16, 12))
+
+
+def test_a_built_cache_of_the_same_source_and_options_is_opened_as_it_is(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, short_side=20, workers=1)
+    gen = fmt.read_manifest(cache).generation
+    ds = MemmapImageDataset(cache, source=src, short_side=20)
+    assert ds.generation == gen and fmt.read_manifest(cache).mode == "build"
+    assert np.array_equal(ds[0][0], MemmapImageDataset(cache)[0][0])
+
+
+@pytest.fixture
+def counted_imread(monkeypatch):
+    """Counts cv2.imread calls in this process (decode workers=1 runs in this process)."""
+    calls: list[str] = []
+    real = cv2.imread
+    monkeypatch.setattr(cv2, "imread", lambda p, *a: calls.append(p) or real(p, *a))
+    return calls
+
+
+def test_refresh_after_modifying_one_of_n_files_decodes_exactly_one(src, tmp_path, counted_imread):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=1)
+    counted_imread.clear()
+    write_image(src / "dog" / "img_010.jpg", 30, 40, seed=1234)
+    report = build_cache(src, cache, workers=1)
+    assert (report.decoded, report.reused, report.dropped, report.images) == (1, 23, 1, 24)
+    assert [Path(p).name for p in counted_imread] == ["img_010.jpg"]
+    ds = MemmapImageDataset(cache)
+    assert np.array_equal(ds[10][0], decode_image(src / "dog" / "img_010.jpg"))
+    # what it published equals a build from scratch
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_refresh_with_parallel_workers_reports_the_same_counts(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=2)
+    write_image(src / "cat" / "img_002.jpg", 20, 20, seed=77)
+    os.unlink(src / "emu" / "img_020.jpg")
+    report = build_cache(src, cache, workers=2)
+    assert (report.decoded, report.reused, report.dropped, report.images) == (1, 22, 2, 23)
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_refresh_after_adding_a_class_relabels_and_decodes_only_the_new_files(
+    src, tmp_path, counted_imread
+):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=1)
+    make_folder(tmp_path / "more", {"ant": [(20, 20), (21, 19)]})
+    os.rename(tmp_path / "more" / "ant", src / "ant")  # sorts first: every label moves up
+    counted_imread.clear()
+    report = build_cache(src, cache, workers=1)
+    assert (report.decoded, report.reused, report.dropped, report.images) == (2, 24, 0, 26)
+    assert len(counted_imread) == 2
+    ds = MemmapImageDataset(cache)
+    assert ds.classes == ["ant", "cat", "dog", "emu"]
+    assert ds.targets == [0] * 2 + [1] * 8 + [2] * 8 + [3] * 8
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_on_stale_refresh_of_a_lazy_cache_keeps_filled_records_of_unchanged_files(
+    src, tmp_path, counted_imread
+):
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    for i in range(12):
+        ds[i]
+    write_image(src / "cat" / "img_003.jpg", 25, 25, seed=5)  # a filled record changes
+    write_image(src / "dog" / "zzz.jpg", 26, 24, seed=6)  # a file is added
+    with pytest.warns(StaleCacheWarning, match="1 added .*1 modified"):
+        MemmapImageDataset(cache, source=src)
+    with pytest.raises(CacheStaleError):
+        MemmapImageDataset(cache, source=src, on_stale="error")
+    counted_imread.clear()
+    ds = MemmapImageDataset(cache, source=src, on_stale="refresh")
+    assert counted_imread == []  # the refresh itself decodes nothing
+    assert len(ds) == 25 and fmt.read_manifest(cache).mode == "lazy"
+    codes = _codes(cache)
+    assert (codes == fmt.FILLED).sum() == 11 and codes[3] == fmt.EMPTY
+    images = [ds[i][0] for i in range(25)]
+    assert len(counted_imread) == 25 - 11
+    assert all(np.array_equal(images[i], decode_image(ds.samples[i][0])) for i in range(25))
+    assert_equals_build(cache, src, tmp_path / "ref")
+
+
+def test_on_stale_refresh_of_a_built_cache_rebuilds_what_changed(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, max_side=32, workers=1)
+    write_image(src / "emu" / "img_017.jpg", 50, 10, seed=8)
+    # no source= given: the source and options the cache records are used
+    ds = MemmapImageDataset(cache, on_stale="refresh")
+    m = fmt.read_manifest(cache)
+    assert m.mode == "build" and ds.generation == m.generation
+    assert ds[17][0].shape == (6, 32, 3)
+    assert_equals_build(cache, src, tmp_path / "ref", max_side=32)
+
+
+@pytest.fixture
+def src_with_bad(tmp_path: Path) -> Path:
+    root = make_folder(tmp_path / "bad", {"a": [(20, 10)] * 3, "b": [(10, 20)] * 3})
+    (root / "a" / "img_001.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+def test_a_bad_file_raises_by_default(src_with_bad, tmp_path):
+    # With size= the record's shape needs no header, so the bad file gets a record, found bad
+    # when it is read (without size=, it is decoded at creation and left out, as a build does).
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src_with_bad, size=(8, 8))
+    assert len(ds) == 6
+    with pytest.raises(DecodeError, match=r"img_001\.jpg: the decoder could not read it"):
+        ds[1]
+    assert _codes(cache)[1] == fmt.BAD_UNDECODABLE
+    with pytest.raises(DecodeError, match=r"img_001\.jpg"):  # and again, from its state
+        MemmapImageDataset(cache, source=src_with_bad, size=(8, 8)).read(1)
+    assert [ds[i][1] for i in (0, 2, 3, 4, 5)] == [0, 0, 1, 1, 1]
+    report = build_cache(src_with_bad, cache, size=(8, 8), workers=1)
+    assert report.up_to_date and [s["path"] for s in report.skipped] == ["a/img_001.jpg"]
+    # the offline build leaves the file out of the index; the lazy cache keeps a BAD record
+    assert MemmapImageDataset(cache).targets == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_bad_file_without_size_is_left_out_at_creation_as_a_build_does(src_with_bad, tmp_path):
+    report = create_lazy_cache(src_with_bad, tmp_path / "cache")
+    assert report.decoded == 1 and [s["path"] for s in report.skipped] == ["a/img_001.jpg"]
+    ds = MemmapImageDataset(tmp_path / "cache", source=src_with_bad)
+    assert len(ds) == 5 and all(ds[i][0] is not None for i in range(5))
+    assert_equals_build(tmp_path / "cache", src_with_bad, tmp_path / "ref")
+
+
+def test_a_bad_file_is_substituted_on_request(src_with_bad, tmp_path):
+    ds = MemmapImageDataset(
+        tmp_path / "cache", source=src_with_bad, size=(8, 8), on_bad="substitute"
+    )
+    with pytest.warns(BadImageWarning, match=r"img_001\.jpg.*returning image 2"):
+        img, label = ds[1]
+    assert np.array_equal(img, ds[2][0]) and label == ds[2][1] == 0
+    ds[1]  # warned once per record: a second warning would fail (filterwarnings = error)
+    with pytest.raises(DecodeError):
+        ds.read(1)  # read() never substitutes
+
+
+def test_a_header_that_disagrees_with_the_decoded_size_is_marked_bad(src, tmp_path, monkeypatch):
+    real = mmcache.build.probe_size
+
+    def lying(path):  # as a header the probe misreads would: height and width swapped
+        hw = real(path)
+        return hw[::-1] if path.endswith("img_004.jpg") else hw
+
+    monkeypatch.setattr(mmcache.build, "probe_size", lying)
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    assert tuple(ds._shapes[4]) == (40, 30, 3)  # the header's claim; the image is 30 x 40
+    with pytest.raises(DecodeError, match="header disagrees"):
+        ds[4]
+    assert _codes(cache)[4] == fmt.BAD_HEADER_MISMATCH
+    assert fmt.read_cache_files(fmt.read_manifest(cache)).state[4]["crc32"] == 0
+    with open(fmt.read_manifest(cache).file("data"), "rb") as f:
+        assert f.read() == bytes(fmt.read_manifest(cache).sizes["data"])  # nothing written
+
+
+def test_a_full_disk_raises_and_leaves_the_record_empty(src, tmp_path, monkeypatch):
+    ds = MemmapImageDataset(tmp_path / "cache", source=src)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mmcache.build.os, "pwrite", full)
+    with pytest.raises(InsufficientSpaceError, match="disk is full"):
+        ds[0]
+    monkeypatch.undo()
+    assert _codes(tmp_path / "cache")[0] == fmt.EMPTY
+    assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))
+
+
+def test_a_pickled_lazy_dataset_fills_in_the_new_process(src, tmp_path):
+    import pickle
+
+    ds = MemmapImageDataset(tmp_path / "cache", source=src)
+    ds[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    assert len(pickle.dumps(ds)) < 2000
+    assert np.array_equal(copy[7][0], decode_image(ds.samples[7][0]))
+    assert _codes(tmp_path / "cache")[7] == fmt.FILLED
+    assert torch.equal(torch.from_numpy(ds[7][0]), torch.from_numpy(copy[7][0]))
