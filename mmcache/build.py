@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import importlib.machinery
 import multiprocessing
 import os
 import shutil
@@ -1079,6 +1080,29 @@ def _stat_key(path: str) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
+@contextmanager
+def _main_script_not_imported() -> Iterator[None]:
+    """Start worker processes without re-running the caller's main script in them.
+
+    A forkserver or spawn child imports the parent's ``__main__`` script before it runs its task,
+    re-running the script's top-level code: with no ``if __name__ == "__main__":`` guard around a
+    ``build_cache`` call, that call starts workers of its own, multiprocessing refuses, and Pool
+    replaces the failed worker forever: the build hangs. Our workers need nothing from the
+    script, so while the pool starts its processes the script is presented as the module named
+    ``__main__``, which multiprocessing's children skip. (fork would not import it, but OpenCV's
+    thread pool deadlocks in a forked child when the parent has used it.)
+    """
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__spec__", None) is not None:
+        yield  # run with -m, or interactive: children do not import it anyway
+        return
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        main.__spec__ = None
+
+
 def _run_jobs(
     jobs: list[list[Job]], data_path: str, opts: Options, workers: int | None
 ) -> Iterator[list[Result]]:
@@ -1102,7 +1126,8 @@ def _run_jobs(
     # import another copy of mmcache (an installed one) than the parent's. Takes effect when
     # the server starts (the first build of the process).
     ctx.set_forkserver_preload(["numpy", "cv2"])
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(data_path, opts.to_json()))
+    with _main_script_not_imported():
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(data_path, opts.to_json()))
     try:
         yield from pool.imap_unordered(_decode_chunk, jobs)
         pool.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from .baselines import DecodingDataset
 from .build import BuildReport, ProgressFn, build_cache
 from .dataset import MemmapImageDataset
+from .loader import BatchLoader
 from .sample_data import make_image_folder
 
 
@@ -36,15 +37,18 @@ def time_epochs(
     batch_size: int,
     workers: int,
     on_epoch: Callable[[int, float], None] | None = None,
+    loader: Iterable | None = None,
 ) -> list[float]:
-    """Seconds per epoch of a shuffled DataLoader over ``dataset`` (workers persist)."""
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-    )
+    """Seconds per epoch of a shuffled DataLoader over ``dataset`` (workers persist), or of
+    the given ``loader``."""
+    if loader is None:
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
     times = []
     for epoch in range(epochs):
         start = time.perf_counter()
@@ -69,7 +73,8 @@ def run_demo(
     on_epoch: Callable[[str, int, float], None] | None = None,
 ) -> DemoReport:
     """Make ``images`` JPEGs under ``workdir/images``, cache them in ``workdir/cache``, then run
-    ``epochs`` epochs decoding every image and ``epochs`` epochs from the cache.
+    ``epochs`` epochs of each: decoding every image (a DataLoader), the cache in a DataLoader,
+    and the cache through ``BatchLoader`` (all images share one size).
 
     Example:
         >>> report = run_demo("/tmp/mmcache-demo", images=200)  # doctest: +SKIP
@@ -89,13 +94,23 @@ def run_demo(
     report.pixels_equal = all(
         (decoding[i][0] == cached[i][0]).all() for i in range(0, len(cached), 97)
     )
-    for name, ds in (("decode every epoch", decoding), ("mmcache", cached)):
+    batches = BatchLoader(cached, batch_size, shuffle=True, seed=0)
+    for name, ds, loader in (
+        ("decode every epoch", decoding, None),
+        ("mmcache DataLoader", cached, None),
+        ("mmcache BatchLoader", cached, batches),
+    ):
 
         def report_epoch(epoch: int, seconds: float, name: str = name) -> None:
             if on_epoch is not None:
                 on_epoch(name, epoch, seconds)
 
         report.epochs[name] = time_epochs(
-            ds, epochs, batch_size=batch_size, workers=workers, on_epoch=report_epoch
+            ds,
+            epochs,
+            batch_size=batch_size,
+            workers=workers,
+            on_epoch=report_epoch,
+            loader=loader,
         )
     return report

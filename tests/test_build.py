@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_image
+from conftest import make_folder, write_image
 
 from mmcache import (
     CacheNotFoundError,
@@ -253,3 +253,21 @@ def test_cache_folder_can_be_moved_as_a_unit(small_folder, tmp_path):
     shutil.move(tmp_path / "cache", tmp_path / "moved")
     ds = MemmapImageDataset(tmp_path / "moved")
     assert len(ds) == 12 and ds[4][0].shape == (48, 64, 3)
+
+
+def test_a_script_without_a_main_guard_builds_with_workers(tmp_path):
+    # Spawned and forkserver children re-run the parent's script unless told otherwise: with a
+    # top-level build_cache call that meant a build hanging forever, and the script's side
+    # effects repeated in every worker.
+    src = make_folder(tmp_path / "src", {"a": [(16, 8)] * 40})  # 3 tasks: 2 worker processes
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from mmcache import build_cache\n"
+        "print('top level ran', flush=True)\n"
+        f"r = build_cache({str(src)!r}, {str(tmp_path / 'cache')!r}, workers=2)\n"
+        "print('images', r.images)\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("top level ran") == 1
+    assert "images 40" in r.stdout

@@ -87,6 +87,7 @@ def test_python_dash_m_and_the_demo(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "pixels identical to decoding: yes" in r.stdout
-    assert r.stdout.count("decode every epoch   epoch") == 2
-    assert r.stdout.count("mmcache              epoch") == 2
+    for name in ("decode every epoch", "mmcache DataLoader", "mmcache BatchLoader"):
+        assert r.stdout.count(f"{name:<20} epoch") == 2
+        assert f"best epoch, {name:<20}" in r.stdout
     assert (tmp_path / "demo" / "cache" / "manifest.json").exists()
