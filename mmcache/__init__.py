@@ -32,9 +32,11 @@ from .errors import (
 from .plan import CachePlan, check_free_space, plan_cache
 from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
+from .verify import BadRecord, VerifyReport, verify_cache
 
 __all__ = [
     "__version__",
+    "BadRecord",
     "BatchLoader",
     "BadImageWarning",
     "BuildReport",
@@ -57,6 +59,7 @@ __all__ = [
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
+    "VerifyReport",
     "WarmReport",
     "build_cache",
     "copy_cache",
@@ -67,6 +70,7 @@ __all__ = [
     "cache_info",
     "evict_cache",
     "scan_source",
+    "verify_cache",
     "warm_cache",
 ]
 

@@ -267,7 +267,7 @@ def _update(
             with _discarded_on_failure(g):
                 g.record(_decode_records(g.jobs(g.todo), g.data_path, opts, workers, progress))
                 manifest, report = _finish(g, s, opts, strict)
-            _publish(s, manifest)
+                _publish(s, manifest)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -319,6 +319,9 @@ def _session(
     try:
         with _locked(folder):
             previous = _read_previous(folder)
+            # Before the up-to-date check: a build that finds the cache current also clears
+            # what killed builds left behind.
+            _remove_stale_generations(folder, previous)
             fingerprints = {
                 "listing": listing.fingerprint(),
                 "options": opts.fingerprint(),
@@ -422,10 +425,14 @@ def _is_current(
 ) -> bool:
     """Same source, listing, options and decoder; and, for a build, no record left to fill."""
     m = previous.manifest
+    # A file that changed while it was decoded was skipped, yet may read the same as when listed
+    # (restored with its mtime): such a cache is never current, so the next build retries it.
+    retry = any(e.get("state") == fmt.BAD_SOURCE_CHANGED for e in m.skipped)
     return (
         m.source == listing.source_json()
         and all(m.fingerprints.get(k) == v for k, v in fingerprints.items())
         and (lazy or bool((previous.state["state"] != fmt.EMPTY).all()))
+        and not retry
     )
 
 
@@ -553,7 +560,6 @@ class _Generation:
 
 def _allocate(s: _Session, opts: Options, force: bool) -> _Generation:
     """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
-    _remove_stale_generations(s.folder, s.previous)
     listing = s.listing
     plan = plan_layout(listing, opts)
     # Before anything is written: the whole new generation, while the old one stays on disk.
@@ -585,10 +591,14 @@ def _allocate(s: _Session, opts: Options, force: bool) -> _Generation:
 
 @contextmanager
 def _discarded_on_failure(g: _Generation) -> Iterator[None]:
-    """Delete the new generation's files if anything fails (or is interrupted) inside."""
+    """Delete the new generation's files if anything fails (or is interrupted) inside, unless
+    it failed after publishing them (``_publish`` runs inside, so that a disk that fills up while
+    the manifest is written discards the new generation and reads as InsufficientSpaceError)."""
     try:
         yield
     except BaseException as e:
+        if _published(g.folder) == g.gen:  # failed after the commit point (flushing the folder)
+            raise
         _remove_generation(g.folder, g.gen)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(
@@ -630,6 +640,7 @@ def _finish(
             "reason": g.messages.get(i) or fmt.BAD_REASONS[int(state[i])],
             "size": int(listing.sizes[i]),
             "mtime_ns": int(listing.mtimes[i]),
+            "state": int(state[i]),
         }
         for i in np.flatnonzero(~kept)
     ]
@@ -690,6 +701,14 @@ def _publish(s: _Session, manifest: fmt.Manifest) -> None:
         _remove_generation(s.folder, s.previous.manifest.generation)
 
 
+def _published(folder: Path) -> str | None:
+    """The generation the folder's manifest names now, or None."""
+    try:
+        return fmt.read_manifest(folder).generation
+    except CacheError:
+        return None
+
+
 def _reusable(
     previous: fmt.CacheFiles | None, listing: Listing, fingerprints: dict[str, str]
 ) -> dict[int, int]:
@@ -728,6 +747,7 @@ def _carry_skips(
     stats = {
         e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"])
         for e in previous.manifest.skipped
+        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
     }
     for i, rel in enumerate(listing.paths):
         old = stats.get(rel)
@@ -1035,12 +1055,13 @@ def decode_record(
             img = cv2.imread(path, read_flags(opts))
         message = capture.text()
     if img is None:
+        if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
+            return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
     if img.shape[0] * img.shape[1] > opts.max_pixels:
         return fmt.BAD_TOO_LARGE, 0, f"{img.shape[1]}x{img.shape[0]} pixels", None
     pixels = np.ascontiguousarray(preprocess(img, opts))
-    after = os.stat(path)
-    if (after.st_size, after.st_mtime_ns) != (size, mtime_ns):
+    if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
     return fmt.FILLED, zlib.crc32(pixels), message, pixels
 
@@ -1049,6 +1070,14 @@ def _pwrite_all(fd: int, pixels: np.ndarray, offset: int) -> None:
     written = os.pwrite(fd, pixels, offset)
     if written != pixels.nbytes:
         raise OSError(errno.ENOSPC, "short write to the data file")
+
+
+def _stat_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 @contextmanager

@@ -310,6 +310,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.pixels_equal else 1
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_cache
+
+    bar = _Progress("verifying", unit="rec")
+    try:
+        report = verify_cache(args.cache, source=args.source or False, progress=bar)
+    finally:
+        bar.close()
+    for b in report.bad[:50]:
+        path = b.path.encode("utf-8", "backslashreplace").decode("utf-8")
+        print(f"  bad record {b.index} {path}: {b.what}")
+    if len(report.bad) > 50:
+        print(f"  ... and {len(report.bad) - 50} more bad records")
+    print(
+        f"{report.cache}: {report.checked:,} of {report.records:,} records checked "
+        f"({_human_bytes(report.bytes)}, {report.seconds:.1f} s)"
+        + (f", {report.empty:,} not filled yet" if report.empty else "")
+        + (
+            f", {report.source_compared:,} compared with the source"
+            + (
+                f" ({report.source_unavailable:,} source files missing or changed)"
+                if report.source_unavailable
+                else ""
+            )
+            if args.source
+            else ""
+        )
+        + (f": {len(report.bad):,} BAD" if report.bad else ": all good")
+    )
+    return 0 if report.ok else 1
+
+
 def _share(part: int | None, whole: int) -> str:
     if part is None:
         return "unknown (no mincore here)"
@@ -463,6 +495,17 @@ def _parser() -> argparse.ArgumentParser:
         "(default 1800)",
     )
     b.set_defaults(func=_cmd_build)
+
+    v = sub.add_parser("verify", help="check every record's checksum (and pixels vs the source)")
+    v.add_argument("cache", help="cache folder")
+    v.add_argument(
+        "--source",
+        nargs="?",
+        const="sample",
+        choices=["sample", "all"],
+        help="also decode the source again and compare: a 1%% sample (default) or all",
+    )
+    v.set_defaults(func=_cmd_verify)
 
     c = sub.add_parser("copy", help="copy a cache (to a node's local disk) and verify the copy")
     c.add_argument("cache", help="the cache folder to copy")

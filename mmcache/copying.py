@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from .build import (
 )
 from .errors import CacheFormatError, DestinationError, InsufficientSpaceError
 from .space import check_free_space, disk_bytes
+from .verify import VerifyReport, check_checksums
 
 __all__ = ["CopyReport", "copy_cache"]
 
@@ -235,21 +235,13 @@ def _verify(source: fmt.CacheFiles, copy: fmt.Manifest) -> int:
             raise CacheFormatError(f"{copy.file(kind)}: differs from the source's; not published")
     # The state is not compared with the source's: a lazy source may have filled more records
     # since. Each record the copy calls FILLED must match its CRC.
-    index, state = files.index, files.state
-    filled = np.flatnonzero(state["state"] == fmt.FILLED)
-    if len(filled) == 0:
-        return 0
-    data = np.memmap(copy.file("data"), dtype=np.uint8, mode="r")
-    nbytes = (
-        index["height"].astype(np.int64)
-        * index["width"].astype(np.int64)
-        * index["channels"].astype(np.int64)
-    )
-    for i in filled:
-        start = int(index["offset"][i])
-        if zlib.crc32(data[start : start + int(nbytes[i])]) != int(state["crc32"][i]):
-            raise CacheFormatError(
-                f"{copy.file('data')}: record {i} ({files.path(i)}) does not match its CRC-32 "
-                "in the state file: the copy or the source is damaged; nothing was published"
-            )
-    return len(filled)
+    filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
+    report = VerifyReport(cache=copy.path, records=copy.count, checked=0, bytes=0, seconds=0.0)
+    check_checksums(files, filled, report)
+    if report.bad:
+        b = report.bad[0]
+        raise CacheFormatError(
+            f"{copy.file('data')}: record {b.index} ({b.path}) does not match its CRC-32 "
+            "in the state file: the copy or the source is damaged; nothing was published"
+        )
+    return report.checked

@@ -262,7 +262,7 @@ def _lead_build(
                 )
             g.record(_unpack(packed))
         manifest, report = _finish(g, s, opts, strict)
-    _publish(s, manifest)
+        _publish(s, manifest)
     return report
 
 

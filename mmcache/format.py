@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the only code that reads or writes its files.
 
-Format version 1.0
+Format version 1.1
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -11,7 +11,8 @@ A cache is one folder; move or copy it as a unit. Its files:
 
     - ``"magic"``: MUST be ``"mmcache"``.
     - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
-      SHOULD read a newer minor of a known major (minors only add keys). This is 1.0.
+      SHOULD read a newer minor of a known major (minors only add keys). This is 1.1; 1.0 lacked
+      ``"checksums"``, and is still read.
     - ``"generation"``: 16 lowercase hex digits naming the data files of this version of the
       cache; ``"files"`` maps ``"index"``, ``"state"``, ``"paths"``, ``"data"`` to their names,
       ``"<kind>-<generation>.bin"``, and ``"sizes"`` gives their exact byte sizes.
@@ -26,6 +27,13 @@ A cache is one folder; move or copy it as a unit. Its files:
       whose decoder complained but produced an image.
     - ``"fingerprints"``: ``{"listing", "options", "decoder"}``, hex SHA-256 digests; ``"decoder"``
       also records the decoder versions; ``"mmcache_version"``, ``"created"``.
+    - ``"checksums"`` (1.1, REQUIRED from 1.1 on): ``{"index", "paths", "manifest"}``, zlib CRC-32s
+      of the index file, of the paths file, and of the manifest itself: of its JSON object without
+      ``"checksums"``, written as ``json.dumps(m, sort_keys=True, separators=(",", ":"))``. A
+      reader MUST refuse a cache whose checksums do not match. They catch accidental damage (any
+      burst of up to 32 flipped bits), not a forger: the reader checks everything else as well.
+
+    Strings: class names are non-empty, unique, without NUL, at most ``MAX_NAME`` characters.
 
 ``index-<generation>.bin``
     N records of ``INDEX_DTYPE`` (little-endian, 56 bytes, no header). Record i describes image
@@ -39,14 +47,21 @@ A cache is one folder; move or copy it as a unit. Its files:
     and ``state``: ``EMPTY`` (0, not yet decoded: lazy mode only), ``FILLED`` (1), or a ``BAD_*``
     code >= 2 (the file could not be cached; ``BAD_REASONS`` says why). Only this file changes
     after publication, and only in lazy mode: a filler writes the pixels, then ``crc32`` and
-    ``state`` together, so a record that reads ``FILLED`` is complete.
+    ``state`` together, so a record that reads ``FILLED`` is complete. In a ``"build"`` cache
+    every record is ``FILLED`` (a reader MUST refuse ``EMPTY`` there).
 
 ``paths-<generation>.bin``
-    The source paths, relative to the source root, ``/``-separated, UTF-8, concatenated.
+    The source paths, relative to the source root, ``/``-separated, UTF-8 (a file name that is
+    not UTF-8 keeps its bytes; read them with ``surrogateescape``), concatenated in index order
+    with nothing between them. Each is 1 to ``MAX_PATH`` bytes, without NUL or backslash, and
+    never absolute nor with an empty, ``.`` or ``..`` part: it cannot name a file outside the
+    source root.
 
 ``data-<generation>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
-    H x W x C. Records are in index order; gaps between them read as zero. May be sparse.
+    H x W x C. Records do not overlap; they are in index order except records appended after
+    the planned ones (their header did not predict their size). Gaps read as zero. May be sparse
+    (lazy mode), and may be longer than ``sizes["data"]``, never shorter.
 
 ``lock``
     An empty file that writers ``flock``; readers ignore it.
@@ -70,6 +85,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
+import zlib
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +97,9 @@ import numpy as np
 from .errors import CacheFormatError, CacheNotFoundError
 
 MAGIC = "mmcache"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
+# The first version whose manifests MUST carry "checksums".
+CHECKSUMS_SINCE = (1, 1)
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
@@ -93,6 +113,12 @@ DATA_ALIGN = 64
 # index values cannot overflow int64.
 MAX_SIDE = 1 << 20
 MAX_CHANNELS = 4
+# Bounds on stored strings: Linux's PATH_MAX for a source path; class names are folder names
+# (255 bytes on most filesystems) or list labels, and 4096 leaves room for either.
+MAX_PATH = 4096
+MAX_NAME = 4096
+# File sizes recorded in a manifest stay below 2**62, so sums of them never overflow int64.
+MAX_FILE_BYTES = 1 << 62
 
 INDEX_DTYPE = np.dtype(
     [
@@ -182,6 +208,8 @@ class Manifest:
     decoder: dict[str, str]
     sizes: dict[str, int]
     extra: dict[str, Any] = field(default_factory=dict)
+    # As read from disk (None for a 1.0 cache); ``write_manifest`` computes them afresh.
+    checksums: dict[str, int] | None = None
     # The version the file declares (a newer minor than FORMAT_VERSION reads too).
     format_version: tuple[int, int] = FORMAT_VERSION
 
@@ -189,6 +217,7 @@ class Manifest:
         return self.path / file_name(kind, self.generation)
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
         return {
             "magic": MAGIC,
             "format_version": list(FORMAT_VERSION),
@@ -219,6 +248,39 @@ def _expect(cond: bool, path: Path, what: str) -> None:
         raise _fail(path, what)
 
 
+def manifest_checksum(m: dict[str, Any]) -> int:
+    """CRC-32 of a manifest object without its ``"checksums"``, in the canonical JSON form.
+
+    Raises:
+        ValueError: the object cannot be written as JSON (too deep, a huge number).
+    """
+    body = {k: v for k, v in m.items() if k != "checksums"}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return zlib.crc32(text.encode("ascii"))
+
+
+def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
+    """zlib CRC-32 of a whole file, read in 1 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    """An int (not a bool) in ``lo..hi-1``."""
+    return type(v) is int and lo <= v < hi
+
+
+def _is_name(v: Any, limit: int) -> bool:
+    """A non-empty string of at most ``limit`` characters, without NUL."""
+    return isinstance(v, str) and 0 < len(v) <= limit and "\x00" not in v
+
+
 def read_manifest(cache: str | os.PathLike) -> Manifest:
     """Read and validate ``cache/manifest.json``; nothing in it is trusted before it is checked.
 
@@ -232,6 +294,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
     try:
         with open(mpath, "rb") as f:
+            _expect(stat.S_ISREG(os.fstat(f.fileno()).st_mode), mpath, "not a regular file")
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CacheNotFoundError(
@@ -241,13 +304,16 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     _expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError also covers integers of over 4300 digits, which Python refuses to parse.
         raise _fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
     _expect(isinstance(m, dict), mpath, "expected a JSON object")
     _expect(m.get("magic") == MAGIC, mpath, f"magic is {m.get('magic')!r}, expected {MAGIC!r}")
     version = m.get("format_version")
     _expect(
-        isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version),
+        isinstance(version, list)
+        and len(version) == 2
+        and all(_is_int(v, 0, 1 << 31) for v in version),
         mpath,
         f"format_version is {version!r}, expected [major, minor]",
     )
@@ -257,10 +323,11 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
             f"format version {version[0]}.{version[1]} is not supported by this mmcache "
             f"(it reads {FORMAT_VERSION[0]}.x); upgrade mmcache or rebuild the cache",
         )
+    checksums = _check_manifest_checksum(m, tuple(version), mpath)
     gen = m.get("generation")
     _expect(isinstance(gen, str) and len(gen) == 16 and _is_hex(gen), mpath, "bad generation id")
     count = m.get("count")
-    _expect(type(count) is int and 0 <= count < 1 << 40, mpath, f"bad count {count!r}")
+    _expect(_is_int(count, 0, 1 << 40), mpath, f"bad count {count!r}")
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         _expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the version-1 layout")
     files = m.get("files")
@@ -273,39 +340,37 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     _expect(
         isinstance(sizes, dict)
         and set(sizes) == set(FILE_KINDS)
-        and all(type(v) is int and v >= 0 for v in sizes.values()),
+        and all(_is_int(v, 0, MAX_FILE_BYTES) for v in sizes.values()),
         mpath,
         "bad file sizes",
     )
     _expect(sizes["index"] == count * INDEX_DTYPE.itemsize, mpath, "index size != count")
     _expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
+    _expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
     mode = m.get("mode")
     _expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
     classes = m.get("classes")
     _expect(
-        isinstance(classes, list) and all(isinstance(c, str) for c in classes),
+        isinstance(classes, list) and all(_is_name(c, MAX_NAME) for c in classes),
         mpath,
-        "classes must be a list of strings",
+        f"classes must be a list of non-empty strings without NUL, at most {MAX_NAME} long",
     )
+    _expect(len(set(classes)) == len(classes), mpath, "class names repeat")
+    _expect(count == 0 or classes, mpath, "records but no classes")
     for key in ("source", "options", "fingerprints", "decoder"):
         _expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
+    _check_source(m["source"], mpath)
     for key in ("skipped", "warnings"):
         entries = m.get(key)
         _expect(
-            isinstance(entries, list)
-            and all(
-                isinstance(e, dict)
-                and isinstance(e.get("path"), str)
-                and isinstance(e.get("reason"), str)
-                for e in entries
-            ),
+            isinstance(entries, list) and all(_is_entry(e) for e in entries),
             mpath,
-            f"{key} must be a list of {{path, reason}}",
+            f"{key} must be a list of {{path, reason}} (and integer size, mtime_ns, state)",
         )
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder",
+        "fingerprints", "decoder", "checksums",
     }  # fmt: skip
     return Manifest(
         path=folder,
@@ -321,19 +386,82 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         decoder=m["decoder"],
         sizes=sizes,
         extra={k: v for k, v in m.items() if k not in known},
+        checksums=checksums,
         format_version=(version[0], version[1]),
     )
 
 
+def _check_manifest_checksum(
+    m: dict[str, Any], version: tuple[int, int], mpath: Path
+) -> dict[str, int] | None:
+    """The manifest's checksums after checking its own; None for a 1.0 manifest without them."""
+    checksums = m.get("checksums")
+    if checksums is None and version < CHECKSUMS_SINCE:
+        return None
+    _expect(
+        isinstance(checksums, dict)
+        and set(checksums) == {"index", "paths", "manifest"}
+        and all(_is_int(v, 0, 1 << 32) for v in checksums.values()),
+        mpath,
+        "checksums missing or malformed (expected {index, paths, manifest} CRC-32s)",
+    )
+    try:
+        actual = manifest_checksum(m)
+    except ValueError as e:
+        raise _fail(mpath, f"cannot be checked ({e})") from None
+    _expect(
+        actual == checksums["manifest"],
+        mpath,
+        f"checksum mismatch (CRC-32 {actual:08x}, recorded {checksums['manifest']:08x}): "
+        "the manifest was damaged or edited; rebuild the cache",
+    )
+    return checksums
+
+
+def _check_source(source: dict[str, Any], mpath: Path) -> None:
+    kind = source.get("kind")
+    _expect(kind in ("folder", "list"), mpath, f"source kind {kind!r} is not folder or list")
+    keys = ("root", "list_file") if kind == "list" else ("root",)
+    for key in keys:
+        _expect(
+            _is_name(source.get(key), MAX_PATH),
+            mpath,
+            f"source {key} must be a non-empty path without NUL, at most {MAX_PATH} long",
+        )
+
+
+def _is_entry(e: Any) -> bool:
+    """A skipped/warnings entry: {path, reason} strings, optional int64 size/mtime_ns/state."""
+    return (
+        isinstance(e, dict)
+        and _is_name(e.get("path"), MAX_PATH)
+        and isinstance(e.get("reason"), str)
+        and all(_is_int(e.get(k, 0), -(1 << 63), 1 << 63) for k in ("size", "mtime_ns", "state"))
+    )
+
+
 def write_manifest(manifest: Manifest) -> None:
-    """Publish ``manifest`` atomically: write a temporary file, flush it, rename it over."""
+    """Publish ``manifest`` atomically: write a temporary file, flush it, rename it over.
+
+    The checksums of the index and paths files are computed here, from the files as written, so
+    every writer's manifest carries them.
+    """
     folder = manifest.path
+    m = manifest.to_json()
+    m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in ("index", "paths")}
+    m["checksums"]["manifest"] = manifest_checksum(m)
     tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_json(), f, indent=1, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST_NAME)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(m, f, indent=1, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MANIFEST_NAME)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
+        raise
+    manifest.checksums = m["checksums"]
     fsync_dir(folder)
 
 
@@ -358,7 +486,10 @@ class CacheFiles:
     def path(self, i: int) -> str:
         r = self.index[i]
         start = int(r["path_offset"])
-        return self.paths_blob[start : start + int(r["path_length"])].decode("utf-8")
+        # surrogateescape: the build stores a non-UTF-8 file name's bytes as they are.
+        return self.paths_blob[start : start + int(r["path_length"])].decode(
+            "utf-8", "surrogateescape"
+        )
 
     def paths(self) -> list[str]:
         return [self.path(i) for i in range(len(self.index))]
@@ -368,6 +499,8 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     """Read one generation's index, state and paths, and check them against each other and
     against the data file's size, so that no later read can fall outside the data file.
 
+    Every allocation is bounded by a file size checked first, never by a number read from a file.
+
     Raises:
         CacheFormatError: naming the first inconsistency found.
     """
@@ -375,55 +508,127 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     for kind in FILE_KINDS:
         p = manifest.file(kind)
         try:
-            actual = p.stat().st_size
+            st = p.stat()
         except FileNotFoundError:
             raise _fail(p, "missing (the cache was rebuilt or damaged)") from None
+        _expect(stat.S_ISREG(st.st_mode), p, "not a regular file")
         # The data file may be longer than recorded (a filesystem rounding up), never shorter:
         # a read past its end would kill the reader with SIGBUS.
-        ok = actual >= sizes[kind] if kind == "data" else actual == sizes[kind]
+        ok = st.st_size >= sizes[kind] if kind == "data" else st.st_size == sizes[kind]
         if not ok:
             raise _fail(
                 p,
-                f"is {actual} bytes, the manifest says {sizes[kind]}: the file is truncated "
+                f"is {st.st_size} bytes, the manifest says {sizes[kind]}: the file is truncated "
                 "or was not fully written",
             )
-    index = np.fromfile(manifest.file("index"), dtype=INDEX_DTYPE, count=manifest.count)
-    state = np.fromfile(manifest.file("state"), dtype=STATE_DTYPE, count=manifest.count)
-    with open(manifest.file("paths"), "rb") as f:
-        paths_blob = f.read(sizes["paths"])
-    validate_records(manifest, index, state, len(paths_blob))
+    blobs = {kind: _read_exactly(manifest.file(kind), sizes[kind]) for kind in FILE_KINDS[:3]}
+    if manifest.checksums is not None:
+        for kind in ("index", "paths"):
+            actual = zlib.crc32(blobs[kind])
+            _expect(
+                actual == manifest.checksums[kind],
+                manifest.file(kind),
+                f"checksum mismatch (CRC-32 {actual:08x}, the manifest says "
+                f"{manifest.checksums[kind]:08x}): the file is damaged; rebuild the cache",
+            )
+    # bytearray blobs: the arrays are writable (lazy fill updates states in memory).
+    index = np.frombuffer(blobs["index"], dtype=INDEX_DTYPE)
+    state = np.frombuffer(blobs["state"], dtype=STATE_DTYPE)
+    paths_blob = bytes(blobs["paths"])
+    validate_records(manifest, index, state, paths_blob)
     return CacheFiles(manifest, index, state, paths_blob)
 
 
+def _read_exactly(path: Path, size: int) -> bytearray:
+    """``size`` bytes of ``path``; a file that shrank since it was measured is an error."""
+    buf = bytearray(size)
+    with open(path, "rb") as f:
+        got = f.readinto(buf)
+    _expect(got == size, path, f"read {got} bytes, expected {size}: the file changed while read")
+    return buf
+
+
 def validate_records(
-    manifest: Manifest, index: np.ndarray, state: np.ndarray, paths_bytes: int
+    manifest: Manifest, index: np.ndarray, state: np.ndarray, paths_blob: bytes | int
 ) -> None:
-    """Check every record's shape, offset, label, path bounds and state (vectorised)."""
-    if len(index) == 0:
+    """Check every record's shape, offset, overlap, label, path and state (vectorised).
+
+    ``paths_blob`` is the paths file's content (an int, its size, skips the path checks).
+    """
+    where, n = manifest.file("index"), manifest.count
+    _expect(len(index) == n and len(state) == n, where, f"expected {n} records")
+    if n == 0:
         return
-    where, data_bytes, n_classes = (
-        manifest.file("index"),
-        manifest.sizes["data"],
-        len(manifest.classes),
-    )
+    data_bytes, n_classes = manifest.sizes["data"], len(manifest.classes)
     h = index["height"].astype(np.int64)
     w = index["width"].astype(np.int64)
     c = index["channels"].astype(np.int64)
     bad = (h < 1) | (h > MAX_SIDE) | (w < 1) | (w > MAX_SIDE) | (c < 1) | (c > MAX_CHANNELS)
     _first_bad(bad, where, "height, width or channels out of range")
+    nbytes = (h * w * c).astype(np.uint64)  # <= 2**42: exact
     off = index["offset"]
     _first_bad(off % DATA_ALIGN != 0, where, f"offset not a multiple of {DATA_ALIGN}")
-    end = off.astype(np.float64) + (h * w * c).astype(np.float64)
-    _first_bad(end > data_bytes, where, f"record ends past the data file ({data_bytes} bytes)")
+    # Exact unsigned arithmetic (float64 would round offsets above 2**53): off + n <= size.
+    limit = np.uint64(data_bytes)
     _first_bad(
-        (index["label"] < 0) | (index["label"] >= max(n_classes, 1)),
+        (off > limit) | (nbytes > limit - np.minimum(off, limit)),
+        where,
+        f"record ends past the data file ({data_bytes} bytes)",
+    )
+    order = np.argsort(off, kind="stable") if (np.diff(off.astype(np.int64)) < 0).any() else None
+    o, s = (off, nbytes) if order is None else (off[order], nbytes[order])
+    overlaps = np.zeros(n, bool)
+    overlaps[1:] = o[1:] < o[:-1] + s[:-1]
+    if order is not None:
+        overlaps[order] = overlaps.copy()
+    _first_bad(overlaps, where, "record overlaps the one before it in the data file")
+    _first_bad(
+        (index["label"] < 0) | (index["label"] >= n_classes),
         where,
         f"label outside 0..{n_classes - 1}",
     )
-    pend = index["path_offset"].astype(np.float64) + index["path_length"]
-    _first_bad(pend > paths_bytes, where, "path outside the paths file")
     _first_bad(index["flags"] != 0, where, "reserved flags set")
-    _first_bad(state["state"] > max(BAD_REASONS), manifest.file("state"), "unknown record state")
+    codes = state["state"]
+    _first_bad(codes > max(BAD_REASONS), manifest.file("state"), "unknown record state")
+    if manifest.mode == "build":  # (a BAD_* code is read as such: ds[i] raises DecodeError)
+        _first_bad(codes == EMPTY, manifest.file("state"), "empty in a built cache")
+    if isinstance(paths_blob, int):
+        return
+    _validate_paths(index, paths_blob, where)
+
+
+def _validate_paths(index: np.ndarray, blob: bytes, where: Path) -> None:
+    """Paths tile the paths file in order, and none can name a file outside the source root."""
+    start = index["path_offset"]
+    length = index["path_length"].astype(np.uint64)
+    _first_bad(
+        (length < 1) | (length > MAX_PATH), where, f"path length outside 1..{MAX_PATH} bytes"
+    )
+    expected = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.uint64)
+    _first_bad(start != expected, where, "paths do not follow each other in the paths file")
+    _expect(
+        int(start[-1]) + int(length[-1]) == len(blob),
+        where,
+        f"paths end at {int(start[-1]) + int(length[-1])}, the paths file has {len(blob)} bytes",
+    )
+    # check_relative_path on 1.28M paths takes ~1.5 s; instead find the few records that could
+    # fail it with whole-blob searches (~10 ms), and check those exactly.
+    arr = np.frombuffer(blob, np.uint8)
+    first, last = arr[start.astype(np.int64)], arr[(start + length - 1).astype(np.int64)]
+    suspect = np.isin(first, np.frombuffer(b"/.", np.uint8)) | np.isin(
+        last, np.frombuffer(b"/.", np.uint8)
+    )
+    for pattern in (b"\x00", b"\\", b"//", b"/./", b"/../"):
+        pos = blob.find(pattern)
+        while pos >= 0:
+            suspect[np.searchsorted(start, pos, side="right") - 1] = True
+            pos = blob.find(pattern, pos + 1)
+    for i in np.flatnonzero(suspect):
+        a = int(start[i])
+        rel = blob[a : a + int(length[i])].decode("utf-8", "surrogateescape")
+        why = check_relative_path(rel)
+        if why is not None:
+            raise _fail(where, f"record {i}: stored path {rel!r} is unsafe: {why}")
 
 
 def _first_bad(mask: np.ndarray, where: Path, what: str) -> None:
@@ -441,3 +646,20 @@ def check_relative_path(rel: str) -> str | None:
     if any(part in ("", ".", "..") for part in rel.split("/")):
         return "contains '.', '..' or an empty part"
     return None
+
+
+def open_cache(cache: str | os.PathLike) -> CacheFiles:
+    """``read_cache_files(read_manifest(cache))``, again if a build replaced the cache between
+    the two reads (it deletes the files the first manifest named).
+
+    Raises:
+        CacheNotFoundError, CacheFormatError: as ``read_manifest`` and ``read_cache_files``.
+    """
+    for _ in range(3):
+        manifest = read_manifest(cache)
+        try:
+            return read_cache_files(manifest)
+        except CacheFormatError:
+            if read_manifest(cache).generation == manifest.generation:
+                raise  # the same cache: the damage is real
+    raise CacheFormatError(f"{cache}: rebuilt three times while it was being opened; try again")

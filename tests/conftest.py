@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
+
+from mmcache import format as fmt
 
 TESTIMAGES = Path(__file__).resolve().parents[2] / "shared" / "testimages"
 
@@ -74,3 +77,17 @@ def reference(path: Path | str, *, color: str = "rgb", size=None, interpolation=
     if color == "rgb":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return img.reshape(img.shape[0], img.shape[1], -1)
+
+
+def reseal(cache: Path) -> dict:
+    """Recompute a hand-edited cache's checksums, as a forger would; returns the manifest.
+
+    Tests that edit manifest.json, the index or the paths on purpose call this, so that what
+    they test is the check they aim at, not the checksum that would catch the edit first.
+    """
+    path = cache / fmt.MANIFEST_NAME
+    m = json.loads(path.read_text())
+    m["checksums"] = {k: fmt.file_crc32(cache / m["files"][k]) for k in ("index", "paths")}
+    m["checksums"]["manifest"] = fmt.manifest_checksum(m)
+    path.write_text(json.dumps(m))
+    return m

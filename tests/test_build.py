@@ -31,7 +31,7 @@ def test_build_report_and_files(small_folder, tmp_path):
     assert (report.images, report.classes, report.decoded) == (12, 3, 12)
     assert report.skipped == [] and not report.up_to_date
     m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    assert m["magic"] == "mmcache" and m["format_version"] == [1, 0]
+    assert m["magic"] == "mmcache" and m["format_version"] == list(fmt.FORMAT_VERSION)
     assert m["classes"] == ["cat", "dog", "emu"] and m["count"] == 12
     assert set(os.listdir(tmp_path / "cache")) == {"manifest.json", "lock", *m["files"].values()}
     assert report.bytes == m["sizes"]["data"]
@@ -109,6 +109,16 @@ def test_an_unchanged_source_is_a_no_op(small_folder, tmp_path):
     assert {n: (s.st_ino, s.st_mtime_ns) for n, s in files.items()} == {
         n: (s.st_ino, s.st_mtime_ns) for n, s in after.items()
     }
+
+
+def test_an_up_to_date_build_clears_what_a_killed_build_left(small_folder, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(small_folder, cache, workers=1)
+    leftover = cache / fmt.file_name("data", fmt.new_generation())  # as a kill -9 leaves it
+    leftover.write_bytes(b"\0" * 4096)
+    assert build_cache(small_folder, cache, workers=1).up_to_date
+    assert not leftover.exists()
+    assert MemmapImageDataset(cache)[0][0].shape[2] == 3
 
 
 def test_changed_options_rebuild(small_folder, tmp_path):

@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import make_folder, write_image
+from conftest import make_folder, reseal, write_image
 from torch.utils.data import DataLoader
 
 from mmcache import (
@@ -132,7 +132,7 @@ def _rewrite_manifest(cache, **changes):
     m = json.loads(path.read_text())
     m.update(changes)
     path.write_text(json.dumps(m))
-    return m
+    return reseal(cache)
 
 
 def test_a_newer_format_version_is_refused_at_open(cache):
@@ -155,6 +155,9 @@ def test_a_corrupt_index_is_refused_at_open(cache):
     raw = bytearray(index.read_bytes())
     raw[56 * 3 : 56 * 3 + 8] = (10**12).to_bytes(8, "little")  # record 3's offset, far away
     index.write_bytes(bytes(raw))
+    with pytest.raises(CacheFormatError, match="checksum mismatch"):
+        MemmapImageDataset(cache)
+    reseal(cache)  # a consistent forgery: the structural checks still refuse it
     with pytest.raises(CacheFormatError, match="record 3"):
         MemmapImageDataset(cache)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_image
+from conftest import reseal, write_image
 
 from mmcache import CacheStaleError, MemmapImageDataset, StaleCacheWarning, build_cache, decode
 from mmcache import format as fmt
@@ -25,6 +25,7 @@ def _as_if_decoded_by(cache: Path, versions: dict[str, str]) -> None:
     m["decoder"] = versions
     m["fingerprints"]["decoder"] = decoder_fingerprint(versions)
     path.write_text(json.dumps(m))
+    reseal(cache)
 
 
 @pytest.fixture

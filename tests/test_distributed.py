@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, write_image
+from conftest import make_folder, reseal, write_image
 
 import mmcache.build
 from mmcache import CacheFormatError, build_cache, copy_cache
@@ -211,6 +211,7 @@ def test_copy_keeps_a_sparse_data_file_sparse(tmp_path):
     state.tofile(m.file("state"))
     manifest = cache / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"mode": "build"', '"mode": "lazy"'))
+    reseal(cache)
     assert fmt.read_manifest(cache).mode == "lazy"
 
     report = copy_cache(cache, tmp_path / "copy")

@@ -1,0 +1,139 @@
+"""Verification: verify_cache and `mmcache verify` name each bad record; verify="first-read"."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from mmcache import CacheFormatError, MemmapImageDataset, build_cache, verify_cache
+from mmcache import format as fmt
+from mmcache.cli import main
+
+
+@pytest.fixture
+def cache(small_folder, tmp_path):
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    return tmp_path / "cache"
+
+
+def _record(cache, i):
+    files = fmt.open_cache(cache)
+    r = files.index[i]
+    return files, int(r["offset"]), int(r["height"]) * int(r["width"]) * int(r["channels"])
+
+
+def _flip(path, pos, bit=0):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+def test_a_sound_cache_verifies(cache):
+    report = verify_cache(cache)
+    files = fmt.open_cache(cache)
+    sizes = [int(r["height"]) * int(r["width"]) * int(r["channels"]) for r in files.index]
+    assert report.ok and report.records == report.checked == 12
+    assert report.bytes == sum(sizes) and report.bad == []
+
+
+def test_a_damaged_record_is_named_by_verify_the_cli_and_first_read(cache, capsys):
+    files, off, n = _record(cache, 5)
+    _flip(files.manifest.file("data"), off + n // 2, bit=3)
+    report = verify_cache(cache)
+    assert [(b.index, b.path) for b in report.bad] == [(5, files.path(5))]
+    assert "checksum" in report.bad[0].what
+    assert main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert f"bad record 5 {files.path(5)}" in out and "1 BAD" in out
+    ds = MemmapImageDataset(cache, verify="first-read")
+    for i in (0, 4, 6, 11):
+        ds[i]  # the others read fine
+    with pytest.raises(CacheFormatError, match=r"record 5 \(.*img_005.jpg\).*checksum"):
+        ds[5]
+    MemmapImageDataset(cache)[5]  # without verify the damage goes unnoticed: hence the option
+
+
+def test_first_read_checks_once_per_process(cache):
+    ds = MemmapImageDataset(cache, verify="first-read")
+    ds[3]
+    files, off, n = _record(cache, 3)
+    _flip(files.manifest.file("data"), off, bit=0)  # the shared mapping sees this at once
+    ds[3]  # already checked in this process: not again
+    copy = MemmapImageDataset(cache, verify="first-read")
+    with pytest.raises(CacheFormatError, match="record 3"):
+        copy[3]  # a new dataset (as in a new worker) checks again
+
+
+def test_verify_option_is_checked(cache):
+    with pytest.raises(ValueError, match="verify must be"):
+        MemmapImageDataset(cache, verify="always")
+    with pytest.raises(ValueError, match="source must be"):
+        verify_cache(cache, source="some")
+
+
+def test_source_comparison_catches_what_a_checksum_cannot(cache, capsys):
+    # A record written wrong with a matching checksum (as a buggy writer would): only
+    # decoding the source again finds it.
+    files, off, n = _record(cache, 7)
+    data = files.manifest.file("data")
+    with open(data, "r+b") as f:
+        f.seek(off)
+        f.write(bytes(n))
+    state = np.fromfile(files.manifest.file("state"), fmt.STATE_DTYPE)
+    state["crc32"][7] = zlib.crc32(bytes(n))
+    state.tofile(files.manifest.file("state"))
+    assert verify_cache(cache).ok
+    report = verify_cache(cache, source="all")
+    assert report.source_compared == 12
+    assert [b.index for b in report.bad] == [7] and "differ from the decoded source" in (
+        report.bad[0].what
+    )
+    assert main(["verify", str(cache), "--source", "all"]) == 1
+    assert "bad record 7" in capsys.readouterr().out
+
+
+def test_a_sample_of_at_least_20(tmp_path):
+    from conftest import make_folder
+
+    src = make_folder(tmp_path / "s", {"a": [(8, 8)] * 30})
+    build_cache(src, tmp_path / "c", workers=1)
+    assert verify_cache(tmp_path / "c", source="sample", seed=1).source_compared == 20
+    assert verify_cache(tmp_path / "c", source=True).source_compared == 20
+
+
+def test_a_changed_or_missing_source_is_not_damage(cache, small_folder, capsys):
+    (small_folder / "cat" / "img_000.jpg").unlink()
+    os.utime(small_folder / "dog" / "img_004.jpg", ns=(1, 1))
+    report = verify_cache(cache, source="all")
+    assert report.ok and (report.source_compared, report.source_unavailable) == (10, 2)
+    assert main(["verify", str(cache), "--source"]) == 0
+    assert "2 source files missing or changed" in capsys.readouterr().out
+
+
+def test_structural_damage_is_an_error_not_a_report(cache, capsys):
+    m = json.loads((cache / "manifest.json").read_text())
+    os.truncate(cache / m["files"]["index"], 10)
+    with pytest.raises(CacheFormatError, match="truncated"):
+        verify_cache(cache)
+    assert main(["verify", str(cache)]) == 1
+    assert "mmcache: error:" in capsys.readouterr().err
+
+
+def test_a_record_marked_bad_in_a_built_cache_is_named(cache):
+    files = fmt.open_cache(cache)
+    state = np.fromfile(files.manifest.file("state"), fmt.STATE_DTYPE)
+    state["state"][2] = fmt.BAD_SOURCE_CHANGED
+    state.tofile(files.manifest.file("state"))
+    report = verify_cache(cache)
+    assert [(b.index, b.path) for b in report.bad] == [(2, files.path(2))]
+    assert report.checked == 11 and "in a built cache" in report.bad[0].what
+    state["state"][2] = fmt.EMPTY  # never written by a build: refused at open
+    state.tofile(files.manifest.file("state"))
+    with pytest.raises(CacheFormatError, match="record 2: empty in a built cache"):
+        verify_cache(cache)
