@@ -1,11 +1,11 @@
 """The dataset: ``MemmapImageDataset``, a torch Dataset that reads images as slices of a cache.
 
-Each process maps the cache's data file itself, on first use: a DataLoader worker, forked or
+Each process opens the cache's data file itself, on first use: a DataLoader worker, forked or
 spawned, receives only the cache path and generation (pickling the dataset never carries pixels
 or the index), and reads pixels out of the OS page cache, which all processes and later runs
-share. The mapping is shared and read-only; each sample is a private copy of its record (one
-memcpy), so transforms may write to it and the default collate takes it without a warning.
-``BatchLoader`` is the path that copies records straight into batch buffers.
+share. Each sample is read with one ``pread`` into an array of its own, so transforms may write
+to it, the default collate takes it without a warning, and a process's memory does not grow with
+the cache. ``BatchLoader`` copies records from a read-only mapping straight into batch buffers.
 
 In lazy mode the dataset also fills the cache: ``RecordFiller`` decodes an empty record on its
 first read and stores it with ``pwrite``; the record states are mapped shared, so every process
@@ -18,6 +18,7 @@ import os
 import warnings
 import zlib
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")
 # What __getstate__ drops: each process maps and opens these itself, on first use.
 _PER_PROCESS = (
-    "_files", "_offsets", "_shapes", "_labels", "_data", "_states", "_codes", "_filler",
+    "_files", "_offsets", "_shapes", "_labels", "_data", "_fd", "_states", "_codes", "_filler",
     "_warned", "_verified",
 )  # fmt: skip
 
@@ -207,6 +208,7 @@ class MemmapImageDataset(Dataset):
         )
         self._labels = index["label"].astype(np.int64)
         self._data: np.ndarray | None = None
+        self._fd = -1
         self._states: np.ndarray | None = None
         self._codes: np.ndarray | None = None
         self._filler: RecordFiller | None = None
@@ -250,6 +252,7 @@ class MemmapImageDataset(Dataset):
                     if nbytes
                     else np.zeros(0, np.uint8)
                 )
+                self._fd = os.open(m.file("data"), os.O_RDONLY)
             except FileNotFoundError:
                 raise self._rebuilt(fmt.read_manifest(self.cache).generation) from None
             except ValueError:  # mmap refuses a file shorter than the mapping: it shrank
@@ -271,6 +274,13 @@ class MemmapImageDataset(Dataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._fd = -1
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            with suppress(OSError):
+                os.close(fd)
 
     def __len__(self) -> int:
         if self._files is None:
@@ -279,7 +289,7 @@ class MemmapImageDataset(Dataset):
 
     def _pixels(self, i: int) -> np.ndarray | None:
         """Record ``i``'s pixels, filling it first if it is empty; None if it is bad."""
-        data = self._map()
+        self._map()
         code = self._codes[i]
         if code == fmt.EMPTY:
             if self._filler is None:
@@ -290,13 +300,18 @@ class MemmapImageDataset(Dataset):
             return pixels  # the decoded array: no need to read back what was just written
         if code != fmt.FILLED:
             return None
-        h, w, c = self._shapes[i]
-        off = self._offsets[i]
-        # A private copy (one memcpy, ~0.1 ms for 1 MB): the caller may write to it, as
-        # transforms do, and the default collate wants writable arrays. Returning a view of a
-        # copy-on-write mapping instead would save the copy but let a write in place change
-        # what this process reads for every record on those pages, for the rest of the run.
-        img = np.array(data[off : off + h * w * c].reshape(h, w, c))
+        # A private copy, read with one pread straight from the page cache: the caller may
+        # write to it, as transforms do, and the default collate wants writable arrays. Not a
+        # view of a copy-on-write mapping: a write in place would change what this process
+        # reads for every record on those pages. Not a copy out of the mapping either: that
+        # page-faults every 4 KiB of it into this process, whose memory then grows with the
+        # cache, and a file truncated under it kills the process with SIGBUS.
+        img = np.empty(self._shapes[i], np.uint8)
+        if os.preadv(self._fd, [img], int(self._offsets[i])) != img.nbytes:
+            raise CacheFormatError(
+                f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
+                "truncated after the cache was opened; rebuild the cache"
+            )
         if self._verified is not None and not self._verified[i]:
             self._verify(i, img)
         return img

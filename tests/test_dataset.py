@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -106,9 +108,9 @@ def test_pickled_size_does_not_grow_with_the_cache(tmp_path):
     assert len(copy) == 200 and np.array_equal(copy[199][0], big[199][0])
 
 
-def _rss_anon_kb() -> int:
+def _rss_kb(kind: str = "RssAnon") -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(kind + ":"))
 
 
 def test_reading_the_whole_cache_allocates_no_private_memory(tmp_path):
@@ -118,13 +120,42 @@ def test_reading_the_whole_cache_allocates_no_private_memory(tmp_path):
     build_cache(src, tmp_path / "mcache", workers=1)
     ds = MemmapImageDataset(tmp_path / "mcache")
     ds[0]
-    before = _rss_anon_kb()
+    before = _rss_kb("RssAnon"), _rss_kb("RssFile")
     total = 0
     for i in range(len(ds)):
         total += int(ds[i][0][::16, ::16].sum())  # touch every image
-    grown_mb = (_rss_anon_kb() - before) / 1024
+    anon_mb = (_rss_kb("RssAnon") - before[0]) / 1024
+    file_mb = (_rss_kb("RssFile") - before[1]) / 1024
     assert total > 0
-    assert grown_mb < 10, f"private memory grew by {grown_mb:.1f} MB"
+    assert anon_mb < 10, f"private memory grew by {anon_mb:.1f} MB"
+    # Nor are the cache's pages mapped into the process: its resident set (and so the USS and
+    # PSS a memory monitor reports per worker) stays flat however large the cache.
+    assert file_mb < 10, f"mapped cache pages grew by {file_mb:.1f} MB"
+
+
+def test_a_data_file_truncated_after_open_is_an_error_not_a_crash(tmp_path):
+    src = make_folder(tmp_path / "t", {"a": [(64, 48)] * 8})
+    build_cache(src, tmp_path / "tcache", workers=1)
+    script = (
+        "import os, sys, json\n"
+        "from mmcache import MemmapImageDataset, CacheFormatError\n"
+        "ds = MemmapImageDataset(sys.argv[1])\n"
+        "ds[0]\n"
+        "m = json.load(open(os.path.join(sys.argv[1], 'manifest.json')))\n"
+        "os.truncate(os.path.join(sys.argv[1], m['files']['data']), 4096)\n"
+        "try:\n"
+        "    ds[7]\n"
+        "except CacheFormatError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "tcache")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr  # a SIGBUS would give -7
+    assert "refused:" in r.stdout and "truncated" in r.stdout
 
 
 def _rewrite_manifest(cache, **changes):
