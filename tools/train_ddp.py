@@ -94,9 +94,12 @@ def main() -> None:
 
     ds = MemmapImageDataset(args.cache, transform=ToTensor(args.input_size), on_stale="ignore")
     sampler = make_sampler(args.sampler, ds, world, rank, args.seed)
+    # Every rank must take the same number of steps (DDP syncs each one), hence drop_last; a
+    # share smaller than one batch gets one smaller batch rather than no step at all.
+    batch_size = max(1, min(args.batch_size, len(sampler)))
     loader = DataLoader(
         ds,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
@@ -112,7 +115,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"train_ddp: {len(ds):,} images, {len(ds.classes)} classes, {world} ranks ({backend}, "
-            f"{device.type}), batch {args.batch_size} per rank, {len(loader)} steps per epoch",
+            f"{device.type}), batch {batch_size} per rank, {len(loader)} steps per epoch",
             flush=True,
         )
 
