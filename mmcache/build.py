@@ -47,7 +47,7 @@ from .decode import (
     decoder_fingerprint,
     decoder_versions,
     preprocess,
-    read_flags,
+    read_image,
 )
 from .errors import (
     CacheError,
@@ -106,6 +106,7 @@ def preprocessing_options(
     interpolation: str = "auto",
     color: str = "rgb",
     max_pixels: int | None = None,
+    reduced_decode: bool = False,
 ) -> Options:
     """``Options`` from the keywords ``build_cache`` takes (``max_pixels=None``: the default)."""
     return Options(
@@ -114,6 +115,7 @@ def preprocessing_options(
         short_side=short_side,
         interpolation=interpolation,
         color=color,
+        reduced_decode=reduced_decode,
         **({} if max_pixels is None else {"max_pixels": max_pixels}),
     )
 
@@ -128,6 +130,7 @@ def build_cache(
     interpolation: str = "auto",
     color: str = "rgb",
     max_pixels: int | None = None,
+    reduced_decode: bool = False,
     workers: int | None = None,
     strict: bool = False,
     progress: ProgressFn | None = None,
@@ -152,6 +155,8 @@ def build_cache(
             ``"lanczos"`` or ``"nearest"``.
         color: ``"rgb"``, ``"bgr"`` or ``"gray"``.
         max_pixels: refuse larger images without decoding them (default: Pillow's bomb limit).
+        reduced_decode: decode JPEGs shrunk 2x or more at reduced scale: faster, but not the
+            exact reference pixels (see ``Options``).
         workers: decode processes (default: all cores).
         strict: fail, leaving no new cache, if any file cannot be decoded.
         progress: called as ``progress(done, total)`` while decoding (in a distributed build,
@@ -182,6 +187,7 @@ def build_cache(
         interpolation=interpolation,
         color=color,
         max_pixels=max_pixels,
+        reduced_decode=reduced_decode,
     )
     if _in_process_group(distributed):
         from .distributed import build_distributed
@@ -210,6 +216,7 @@ def create_lazy_cache(
     interpolation: str = "auto",
     color: str = "rgb",
     max_pixels: int | None = None,
+    reduced_decode: bool = False,
     workers: int | None = None,
     progress: ProgressFn | None = None,
     force: bool = False,
@@ -239,6 +246,7 @@ def create_lazy_cache(
         interpolation=interpolation,
         color=color,
         max_pixels=max_pixels,
+        reduced_decode=reduced_decode,
     )
     return _update(source, cache, opts, True, workers, False, progress, force, False)
 
@@ -1048,19 +1056,19 @@ def decode_record(
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
     if capture is None:
-        img = cv2.imread(path, read_flags(opts))
+        img, native = read_image(path, opts)
         message = ""
     else:
         with capture:
-            img = cv2.imread(path, read_flags(opts))
+            img, native = read_image(path, opts)
         message = capture.text()
     if img is None:
         if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
-    if img.shape[0] * img.shape[1] > opts.max_pixels:
-        return fmt.BAD_TOO_LARGE, 0, f"{img.shape[1]}x{img.shape[0]} pixels", None
-    pixels = np.ascontiguousarray(preprocess(img, opts))
+    if native[0] * native[1] > opts.max_pixels:
+        return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
+    pixels = np.ascontiguousarray(preprocess(img, opts, native))
     if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
     return fmt.FILLED, zlib.crc32(pixels), message, pixels

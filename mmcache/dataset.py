@@ -77,7 +77,8 @@ class MemmapImageDataset(Dataset):
             keeping the filled records of unchanged files). A source that is not there (a copied
             cache) is not checked.
         source: the image folder or ``path,label`` list: enables lazy mode.
-        size, max_side, short_side, interpolation, color, max_pixels: the preprocessing, as for
+        size, max_side, short_side, interpolation, color, max_pixels, reduced_decode: the
+            preprocessing, as for
             ``build_cache``; only with ``source``.
         on_bad: a file that cannot be cached (undecodable, over ``max_pixels``, changed since it
             was listed, or decoding to another size than its header says): ``"raise"`` a
@@ -121,6 +122,7 @@ class MemmapImageDataset(Dataset):
         interpolation: str = "auto",
         color: str = "rgb",
         max_pixels: int | None = None,
+        reduced_decode: bool = False,
         on_bad: str = "raise",
         verify: str | None = None,
         warm: bool | str | int = False,
@@ -138,6 +140,7 @@ class MemmapImageDataset(Dataset):
             interpolation=interpolation,
             color=color,
             max_pixels=max_pixels,
+            reduced_decode=reduced_decode,
         )
         if source is None and options != Options():
             raise ValueError(

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from . import format as fmt
-from .decode import Options, preprocess, read_flags
+from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 
 SOURCE_MODES = (False, "sample", "all")
@@ -250,16 +249,16 @@ def _compare_one(
     rel = files.path(r)
     # As the build decodes (cv2.imread, then preprocess), but with the output shape checked
     # before resizing: options from a damaged manifest must not make us allocate gigabytes.
-    img = cv2.imread(str(src), read_flags(options))
+    img, native = read_image(src, options)
     if img is None:
         report.bad.append(BadRecord(r, rel, "its source no longer decodes"))
         return
     report.source_compared += 1
-    decoded = options.output_shape(*img.shape[:2])
+    decoded = options.output_shape(*native)
     if decoded != shape:
         report.bad.append(BadRecord(r, rel, f"stored as {shape}, the source decodes to {decoded}"))
         return
-    expected = preprocess(img, options)
+    expected = preprocess(img, options, native)
     nbytes = shape[0] * shape[1] * shape[2]
     stored = os.pread(f.fileno(), nbytes, int(rec["offset"]))
     if len(stored) < nbytes:

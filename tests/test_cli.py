@@ -91,3 +91,12 @@ def test_python_dash_m_and_the_demo(tmp_path):
         assert r.stdout.count(f"{name:<20} epoch") == 2
         assert f"best epoch, {name:<20}" in r.stdout
     assert (tmp_path / "demo" / "cache" / "manifest.json").exists()
+
+
+def test_reduced_decode_flag_reaches_the_cache(small_folder, tmp_path, capsys):
+    args = ["build", str(small_folder), str(tmp_path / "c"), "--max-side", "16", "--workers", "1"]
+    assert main([*args, "--reduced-decode"]) == 0
+    assert MemmapImageDataset(tmp_path / "c").manifest.options["reduced_decode"] is True
+    assert main(args) == 0  # without the flag: other options, so a rebuild, not "up to date"
+    assert "up to date" not in capsys.readouterr().out
+    assert "reduced_decode" not in MemmapImageDataset(tmp_path / "c").manifest.options

@@ -80,3 +80,42 @@ def test_parallel_build_equals_single_process_build(small_folder, tmp_path):
     assert len(a) == len(b) == 12
     for i in range(len(a)):
         assert np.array_equal(a[i][0], b[i][0]) and a[i][1] == b[i][1]
+
+
+def test_reduced_decode_is_explicit_recorded_and_close_to_the_reference(tmp_path):
+    from mmcache import Options
+    from mmcache.sample_data import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=3, size=(720, 480))
+    write_image(src / "class_00" / "lossless.png", 720, 480, seed=5)
+    build_cache(src, tmp_path / "exact", max_side=180, workers=1)
+    build_cache(src, tmp_path / "fast", max_side=180, reduced_decode=True, workers=1)
+    exact, fast = MemmapImageDataset(tmp_path / "exact"), MemmapImageDataset(tmp_path / "fast")
+    assert fast.manifest.options["reduced_decode"] is True
+    assert "reduced_decode" not in exact.manifest.options  # older caches keep their fingerprint
+    assert exact.manifest.fingerprints["options"] != fast.manifest.fingerprints["options"]
+    assert Options(reduced_decode=True).fingerprint() != Options().fingerprint()
+    for i, (path, _) in enumerate(fast.samples):
+        a, b = exact[i][0], fast[i][0]
+        assert a.shape == b.shape == (120, 180, 3)
+        if path.endswith(".png"):
+            assert np.array_equal(a, b)  # only JPEGs are decoded at reduced scale
+            continue
+        # the DCT-domain 1/4 decode, then the same resize and conversion
+        reduced = cv2.imread(path, cv2.IMREAD_REDUCED_COLOR_4)
+        assert reduced.shape[:2] == (120, 180)
+        assert np.array_equal(b, cv2.cvtColor(reduced, cv2.COLOR_BGR2RGB))
+        diff = np.abs(a.astype(int) - b.astype(int))
+        assert 0 < diff.max() <= 40 and diff.mean() < 3  # close to the reference, not equal
+
+
+def test_reduced_decode_picks_the_largest_factor_that_keeps_the_output_size(tmp_path):
+    path = write_image(tmp_path / "src" / "a.jpg", 720, 480, seed=9)
+    build_cache(tmp_path / "src", tmp_path / "c", size=(300, 200), reduced_decode=True, workers=1)
+    img = MemmapImageDataset(tmp_path / "c")[0][0]
+    # 720/2 = 360 >= 300 but 720/4 = 180 < 300: read at 1/2, then resized with INTER_AREA
+    half = cv2.imread(str(path), cv2.IMREAD_REDUCED_COLOR_2)
+    ref = cv2.cvtColor(
+        cv2.resize(half, (300, 200), interpolation=cv2.INTER_AREA), cv2.COLOR_BGR2RGB
+    )
+    assert np.array_equal(img, ref)
