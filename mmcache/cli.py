@@ -181,8 +181,12 @@ def _sigterm_fails(rank: int) -> Iterator[None]:
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    except BaseException:
+        # The error is on its way to being printed: a SIGTERM now (torchrun stopping the ranks
+        # left once one died) must not kill this rank before it has said why the build failed.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    signal.signal(signal.SIGTERM, old)
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
