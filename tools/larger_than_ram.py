@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    from mmcache import MemmapImageDataset, QuasiRandomSampler, warm_cache
+    from mmcache import BatchLoader, MemmapImageDataset, QuasiRandomSampler, warm_cache
     from mmcache.baselines import DecodingDataset
 
     torch.set_num_threads(1)
@@ -77,13 +77,16 @@ def measure(args: argparse.Namespace) -> None:
         )
     else:
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(
-        ds,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        num_workers=args.workers,
-        persistent_workers=args.workers > 0,
-    )
+    if args.loader == "batch" and args.measure != "decode":
+        loader = BatchLoader(ds, args.batch_size, sampler=sampler, num_threads=args.workers)
+    else:
+        loader = DataLoader(
+            ds,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        )
     if args.calibrate:
         # The processes' own memory at its peak over a few batches: rss and shared memory of
         # the group (file pages are what the limit is there to squeeze).
@@ -212,6 +215,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument(
+        "--loader",
+        choices=("dataloader", "batch"),
+        default="dataloader",
+        help="how the mmcache rows read: DataLoader with --workers processes, or BatchLoader "
+        "with --workers threads (records of one shape); the decode row always uses DataLoader",
+    )
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--block-size", type=int, default=None, help="QuasiRandomSampler's")
     p.add_argument("--buffer-blocks", type=int, default=32, help="QuasiRandomSampler's")
@@ -259,7 +269,8 @@ def main() -> None:
         f"\ncache {cache_bytes / mb:,.0f} MB ({results[0]['images']} images of "
         f"{args.image_size}); page cache allowed {allowance / mb:,.0f} MB (cgroup limit = "
         f"that + the loader's own memory); batch {args.batch_size}, {args.workers} workers, "
-        f"{os.cpu_count()} cores\n"
+        f"{os.cpu_count()} cores; mmcache rows read by "
+        f"{'BatchLoader' if args.loader == 'batch' else 'DataLoader'}\n"
     )
     epochs = args.epochs
     head = " | ".join(f"epoch {e + 1} img/s" for e in range(epochs))
