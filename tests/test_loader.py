@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
 import threading
 from collections import Counter
 
@@ -15,12 +17,14 @@ from torch.utils.data import DistributedSampler, RandomSampler
 
 from mmcache import (
     BatchLoader,
+    CacheFormatError,
     DecodeError,
     MemmapImageDataset,
     MixedShapesError,
     build_cache,
 )
 from mmcache import format as fmt
+from mmcache.residency import Memory
 
 N = 24
 
@@ -77,8 +81,9 @@ def test_drop_last(ds):
     assert len(set(seen)) == 20
 
 
-def test_pixels_equal_the_dataset_in_order(ds):
-    batches = [(x.clone(), y.clone()) for x, y in BatchLoader(ds, 7, num_threads=2)]
+@pytest.mark.parametrize("read", ["auto", "mmap", "pread"])
+def test_pixels_equal_the_dataset_in_order(ds, read):
+    batches = [(x.clone(), y.clone()) for x, y in BatchLoader(ds, 7, num_threads=2, read=read)]
     images, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     for i in range(N):
         assert np.array_equal(images[i].numpy(), ds[i][0])
@@ -237,7 +242,42 @@ def test_a_cache_of_several_shapes_is_refused(small_folder, tmp_path):
     assert "64x48x3 (3 images)" in str(e.value) and isinstance(e.value, ValueError)
 
 
+@pytest.mark.parametrize("available, preads", [(10**12, 0), (1000, N)])
+def test_auto_reads_with_pread_only_when_the_cache_does_not_fit_in_ram(
+    ds, monkeypatch, available, preads
+):
+    import mmcache.loader
+
+    calls = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        calls.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(mmcache.loader, "memory", lambda: Memory(2 * available, available))
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    batches = [x.clone() for x, _ in BatchLoader(ds, 5, read="auto")]
+    assert len(calls) == preads  # the data file is 18 KB: it "fits" in 10**12 bytes, not 1000
+    monkeypatch.undo()
+    assert all(np.array_equal(torch.cat(batches)[i].numpy(), ds[i][0]) for i in range(N))
+
+
+def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_path):
+    shutil.copytree(cache, tmp_path / "cache")
+    ds = MemmapImageDataset(tmp_path / "cache")
+    ds[0]  # opens and maps the data file
+    m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    data = tmp_path / "cache" / m["files"]["data"]
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(CacheFormatError, match="is cut short: the file was truncated") as e:
+        list(BatchLoader(ds, 4, read="pread"))
+    assert str(data) in str(e.value)
+
+
 def test_bad_arguments(ds):
+    with pytest.raises(ValueError, match="read must be 'auto', 'mmap' or 'pread'"):
+        BatchLoader(ds, 4, read="mapped")
     with pytest.raises(ValueError, match="mutually exclusive"):
         BatchLoader(ds, 4, shuffle=True, sampler=range(3))
     with pytest.raises(ValueError, match=">= 1"):
