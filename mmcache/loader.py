@@ -11,7 +11,7 @@ releases the GIL during large copies), so a batch costs one memory copy and no a
 When the cache does not fit in RAM the threads read with ``pread`` instead of copying from the
 mapping: under memory pressure every page fault on a mapping also pays for reclaiming mapped
 pages, and a random order over a 2 GB cache of 224x224 records with a 1 GB page-cache allowance
-ran at 303 img/s mapped against 3,996 img/s with ``pread`` (tools/larger_than_ram.py). In RAM
+ran at 303 img/s mapped against 3,813 img/s with ``pread`` (tools/larger_than_ram.py). In RAM
 the mapping is faster (12,003 against 10,162 img/s with 2 threads, tools/loader_bench.py).
 """
 

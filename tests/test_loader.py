@@ -258,7 +258,7 @@ def test_auto_reads_with_pread_only_when_the_cache_does_not_fit_in_ram(
     monkeypatch.setattr(mmcache.loader, "memory", lambda: Memory(2 * available, available))
     monkeypatch.setattr(os, "preadv", counting_preadv)
     batches = [x.clone() for x, _ in BatchLoader(ds, 5, read="auto")]
-    assert len(calls) == preads  # the data file is 18 KB: it "fits" in 10**12 bytes, not 1000
+    assert len(calls) == preads  # the data file is 55 KB: it "fits" in 10**12 bytes, not 1000
     monkeypatch.undo()
     assert all(np.array_equal(torch.cat(batches)[i].numpy(), ds[i][0]) for i in range(N))
 
