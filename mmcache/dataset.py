@@ -310,14 +310,18 @@ class MemmapImageDataset(Dataset):
         # page-faults every 4 KiB of it into this process, whose memory then grows with the
         # cache, and a file truncated under it kills the process with SIGBUS.
         img = np.empty(self._shapes[i], np.uint8)
-        if os.preadv(self._fd, [img], int(self._offsets[i])) != img.nbytes:
+        self._pread_into(i, img)
+        if self._verified is not None and not self._verified[i]:
+            self._verify(i, img)
+        return img
+
+    def _pread_into(self, i: int, out: np.ndarray) -> None:
+        """Read the stored bytes of FILLED record ``i`` into ``out`` (its size) with one pread."""
+        if os.preadv(self._fd, [out], int(self._offsets[i])) != out.nbytes:
             raise CacheFormatError(
                 f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
                 "truncated after the cache was opened; rebuild the cache"
             )
-        if self._verified is not None and not self._verified[i]:
-            self._verify(i, img)
-        return img
 
     def _verify(self, i: int, img: np.ndarray) -> None:
         """verify="first-read": check a FILLED record against its CRC-32 on disk now.

@@ -17,7 +17,6 @@ the mapping is faster (12,003 against 10,162 img/s with 2 threads, tools/loader_
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref
@@ -29,7 +28,7 @@ import torch
 
 from . import format as fmt
 from .dataset import MemmapImageDataset
-from .errors import CacheFormatError, MixedShapesError
+from .errors import MixedShapesError
 from .residency import memory
 
 __all__ = ["BatchLoader"]
@@ -402,11 +401,8 @@ def _fill(job: _Job, slot: int, idx: np.ndarray, shared: _Shared) -> int | None:
             flat[j] = ds.read(int(idx[j])).reshape(-1)
         elif mapped:
             flat[j] = data[off : off + nbytes]
-        elif os.preadv(ds._fd, [flat[j]], off) != nbytes:
-            raise CacheFormatError(
-                f"{ds._files.manifest.file('data')}: record {int(idx[j])} is cut short: the "
-                "file was truncated after the cache was opened; rebuild the cache"
-            )
+        else:
+            ds._pread_into(int(idx[j]), flat[j])
     return n
 
 
