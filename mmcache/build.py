@@ -17,37 +17,30 @@ records, so a lazy cache once full is record for record the cache a build makes.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import fcntl
-import importlib.machinery
-import multiprocessing
+import logging
 import os
 import shutil
-import signal
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from . import format as fmt
 from ._version import __version__
+from ._workers import CHUNK, Job, Result, run_jobs
 from .decode import (
     Options,
-    StderrCapture,
+    decode_record,
     decoder_accepted,
     decoder_fingerprint,
     decoder_versions,
-    preprocess,
-    read_image,
 )
 from .errors import (
     CacheError,
@@ -56,27 +49,31 @@ from .errors import (
     DestinationError,
     InsufficientSpaceError,
     NotACacheError,
+    OptionsChangedError,
+    SourceError,
     StrictBuildError,
 )
 from .probe import probe_size
 from .scan import Listing, scan_source
 from .space import check_free_space, disk_bytes, generation_sizes
 
-# Records per task sent to a decode worker: large enough that the per-task overhead (~100 us)
-# vanishes next to a decode (~2 ms for 720x480), small enough to balance the last tasks.
-CHUNK = 16
-
 ProgressFn = Callable[[int, int], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class BuildReport:
     """What a build did. ``up_to_date`` means it found the cache current and did nothing.
 
-    ``decoded``: files decoded now; ``reused``: records carried over from the previous cache
-    without decoding; ``dropped``: records of the previous cache whose pixels were discarded
-    (the file was removed or modified, or the options changed). ``images`` counts the records
-    with pixels; a lazy cache's records still to be filled count in ``pending``.
+    ``decoded``: files decoded into records now (files that failed count in ``skipped``);
+    ``reused``: records carried over from the previous cache without decoding; ``dropped``:
+    records of the previous cache whose pixels were discarded, of which ``removed`` because
+    their file left the source; ``changed`` counts the decoded files that had a record there
+    (modified since, or the cache replaced with other options). ``images`` counts the
+    records with pixels; a lazy cache's records still to be filled count in ``pending``.
+    ``seconds`` is the whole build, ``decode_seconds`` the decoding alone. ``ignored``: folders
+    inside the source left out because they hold a cache (see ``scan_source``).
     """
 
     cache: Path
@@ -87,15 +84,20 @@ class BuildReport:
     decoded: int = 0
     reused: int = 0
     dropped: int = 0
+    removed: int = 0
+    changed: int = 0
     up_to_date: bool = False
     trusted_decoder: bool = False
     pending: int = 0
+    decode_seconds: float = 0.0
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def images_per_second(self) -> float:
-        return self.decoded / self.seconds if self.seconds > 0 else 0.0
+        """Decoding rate: files decoded per second of decoding."""
+        return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 def preprocessing_options(
@@ -136,6 +138,7 @@ def build_cache(
     progress: ProgressFn | None = None,
     force: bool = False,
     trust_decoder: bool = False,
+    replace: bool = False,
     distributed: bool | None = None,
     dist_timeout: float = 1800.0,
 ) -> BuildReport:
@@ -157,7 +160,8 @@ def build_cache(
         max_pixels: refuse larger images without decoding them (default: Pillow's bomb limit).
         reduced_decode: decode JPEGs shrunk 2x or more at reduced scale: faster, but not the
             exact reference pixels (see ``Options``).
-        workers: decode processes (default: all cores).
+        workers: decode processes (default: all cores); 0 decodes in this process, without
+            the protection from decoder crashes (for debuggers and profilers).
         strict: fail, leaving no new cache, if any file cannot be decoded.
         progress: called as ``progress(done, total)`` while decoding (in a distributed build,
             for this rank's share).
@@ -165,6 +169,8 @@ def build_cache(
         trust_decoder: keep a cache made by another decoder version (its pixels may differ
             slightly from what this machine decodes) instead of decoding everything again, and
             record that choice in its manifest as ``"trusted_decoder"``.
+        replace: rebuild a cache made with other preprocessing options; without it such a
+            build raises ``OptionsChangedError`` naming the options, and changes nothing.
         distributed: build with every rank of the initialised ``torch.distributed`` process
             group (see ``mmcache.distributed``); every rank must then call ``build_cache`` with
             the same arguments, and every rank gets the same report or error. ``None`` (the
@@ -177,8 +183,10 @@ def build_cache(
         >>> report.images, report.skipped  # doctest: +SKIP
 
     Raises:
-        SourceError, NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
-        DistributedBuildError.
+        SourceError: no source, or no image of it could be decoded (nothing is published).
+        OptionsChangedError: the cache there has other options, and ``replace`` is False.
+        NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
+        DistributedBuildError, DecodeWorkerError.
     """
     opts = preprocessing_options(
         size=size,
@@ -201,9 +209,20 @@ def build_cache(
             progress=progress,
             force=force,
             trust_decoder=trust_decoder,
+            replace=replace,
             timeout=dist_timeout,
         )
-    return _update(source, cache, opts, False, workers, strict, progress, force, trust_decoder)
+    return _update(
+        source,
+        cache,
+        opts,
+        workers=workers,
+        strict=strict,
+        progress=progress,
+        force=force,
+        trust_decoder=trust_decoder,
+        replace=replace,
+    )
 
 
 def create_lazy_cache(
@@ -220,6 +239,7 @@ def create_lazy_cache(
     workers: int | None = None,
     progress: ProgressFn | None = None,
     force: bool = False,
+    replace: bool = False,
 ) -> BuildReport:
     """Create a lazy cache of ``source`` at once, without decoding: records fill on first read.
 
@@ -227,8 +247,9 @@ def create_lazy_cache(
     record published ``EMPTY``; ``MemmapImageDataset`` then fills records as they are read.
     A cache already there with the same source and options is left as it is (lazy or built,
     ``report.up_to_date``); one made from an older listing becomes a new lazy generation that
-    carries over the filled records of unchanged files (``report.reused``); other options start
-    afresh. Files whose header cannot be read are decoded now (``report.decoded``). Files
+    carries over the filled records of unchanged files (``report.reused``); a cache of other
+    options is replaced only with ``replace``. Files whose header cannot be read are decoded
+    now (``report.decoded``). Files
     refused from their header (over ``max_pixels``) are left out, as a build leaves them.
     Arguments are those of ``build_cache``.
 
@@ -237,7 +258,8 @@ def create_lazy_cache(
         >>> report.pending  # doctest: +SKIP
 
     Raises:
-        SourceError, NotACacheError, DestinationError, InsufficientSpaceError.
+        SourceError, OptionsChangedError, NotACacheError, DestinationError,
+        InsufficientSpaceError.
     """
     opts = preprocessing_options(
         size=size,
@@ -248,19 +270,24 @@ def create_lazy_cache(
         max_pixels=max_pixels,
         reduced_decode=reduced_decode,
     )
-    return _update(source, cache, opts, True, workers, False, progress, force, False)
+    return _update(
+        source, cache, opts, lazy=True, workers=workers, progress=progress, force=force,
+        replace=replace,
+    )  # fmt: skip
 
 
 def _update(
     source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     opts: Options,
-    lazy: bool,
+    *,
+    lazy: bool = False,
     workers: int | None,
-    strict: bool,
+    strict: bool = False,
     progress: ProgressFn | None,
     force: bool,
-    trust_decoder: bool,
+    trust_decoder: bool = False,
+    replace: bool,
 ) -> BuildReport:
     """Build (or, ``lazy``, lay out) a new generation unless the cache is current already.
 
@@ -268,14 +295,17 @@ def _update(
     shared out among the ranks.
     """
     start = time.perf_counter()
-    with _session(source, cache, opts, trust_decoder, lazy) as s:
+    with _session(source, cache, opts, trust_decoder, lazy, replace) as s:
         report = _up_to_date_report(s)
         if report is None:
             g = _allocate(s, opts, force)
             with _discarded_on_failure(g):
+                decoding = time.perf_counter()
                 g.record(_decode_records(g.jobs(g.todo), g.data_path, opts, workers, progress))
+                decode_seconds = time.perf_counter() - decoding
                 manifest, report = _finish(g, s, opts, strict)
                 _publish(s, manifest)
+            report.decode_seconds = decode_seconds
     report.seconds = time.perf_counter() - start
     return report
 
@@ -319,14 +349,20 @@ def _session(
     opts: Options,
     trust_decoder: bool,
     lazy: bool = False,
+    replace: bool = False,
 ) -> Iterator[_Session]:
-    """Scan the source, check the destination, and hold its writer lock while the build runs."""
+    """Scan the source, check the destination, and hold its writer lock while the build runs.
+
+    A cache there made with other options is refused unless ``replace``.
+    """
     listing = source if isinstance(source, Listing) else scan_source(source)
     folder = Path(cache).expanduser().absolute()
     created = _prepare_folder(folder)
     try:
         with _locked(folder):
             previous = _read_previous(folder)
+            if previous is not None and not replace:
+                _refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
             _remove_stale_generations(folder, previous)
@@ -345,12 +381,29 @@ def _session(
         raise
 
 
+def _refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
+    """OptionsChangedError if cache ``m`` was made with other preprocessing than ``opts``."""
+    if m.fingerprints.get("options") == opts.fingerprint():
+        return
+    try:
+        built_with = Options.from_json(m.options).describe()
+    except (TypeError, ValueError):
+        built_with = f"options this mmcache cannot read ({m.options})"
+    raise OptionsChangedError(
+        f"{m.path}: the cache there was made with {built_with}; this build asks for "
+        f"{opts.describe()}, which would decode every image again and replace all "
+        f"{m.count:,} records. Repeat the options it was made with, or pass --replace "
+        "(replace=True) to rebuild it with the new ones"
+    )
+
+
 def _up_to_date_report(s: _Session) -> BuildReport | None:
     """The report of a build that has nothing to do, or None if the cache must be (re)built."""
     if s.previous is None or not _is_current(s.previous, s.listing, s.same, s.lazy):
         return None
     m = s.previous.manifest
     report = _current_report(s.previous)
+    report.ignored = list(s.listing.ignored)
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
@@ -386,7 +439,11 @@ def _locked(folder: Path) -> Iterator[None]:
     """Hold the cache's writer lock: concurrent builds of one cache run one after the other."""
     fd = os.open(folder / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another build of %s to finish (it holds the lock)", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -627,7 +684,7 @@ def _decode_records(
     """Decode ``jobs`` into ``data_path``; yields each record's result as its chunk finishes."""
     total = sum(len(chunk) for chunk in jobs)
     done = 0
-    for results in _run_jobs(jobs, str(data_path), opts, workers):
+    for results in run_jobs(jobs, str(data_path), opts, workers):
         yield from results
         done += len(results)
         if progress is not None:
@@ -652,11 +709,16 @@ def _finish(
         }
         for i in np.flatnonzero(~kept)
     ]
-    if strict and skipped:
+    if skipped and (strict or not len(keep)):
         names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
         more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-        raise StrictBuildError(
-            f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
+        if strict:
+            raise StrictBuildError(
+                f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
+            )
+        raise SourceError(
+            f"{listing.root}: none of its {len(skipped):,} images could be cached, so nothing "
+            f"was published: {names}{more}"
         )
     offsets, data_bytes = plan.offsets.copy(), plan.data_bytes
     if g.overflow:
@@ -684,16 +746,25 @@ def _finish(
     trusted = _carried_trust(previous.manifest, s.same, s.fingerprints) if g.reused else None
     if trusted is not None:
         manifest.extra["trusted_decoder"] = trusted
-    had_pixels = 0 if previous is None else int((previous.state["state"] == fmt.FILLED).sum())
+    had_pixels = removed = changed = 0
+    if previous is not None:
+        filled = previous.state["state"] == fmt.FILLED
+        had_pixels = int(filled.sum())
+        old_paths = {previous.path(int(j)) for j in np.flatnonzero(filled)}
+        removed = len(old_paths - set(listing.paths))
+        changed = sum(listing.paths[i] in old_paths for i in g.todo)
     report = BuildReport(
         cache=g.folder,
         images=int((state == fmt.FILLED).sum()),
         classes=len(listing.classes),
         bytes=data_bytes,
         seconds=0.0,
-        decoded=len(g.todo),
+        decoded=int((state[g.todo] == fmt.FILLED).sum()) if g.todo else 0,
         reused=g.reused,
         dropped=had_pixels - g.reused,
+        removed=removed,
+        changed=changed,
+        ignored=list(listing.ignored),
         pending=int((state[keep] == fmt.EMPTY).sum()),
         trusted_decoder=g.reused > 0 and s.same != s.fingerprints,
         skipped=skipped,
@@ -932,7 +1003,7 @@ class RecordFiller:
         data_fd, state_fd = self._fds
         try:
             if pixels is not None:
-                _pwrite_all(data_fd, pixels, int(r["offset"]))
+                fmt.write_pixels(data_fd, pixels, int(r["offset"]))
             state = np.array([(crc, code)], fmt.STATE_DTYPE).tobytes()
             os.pwrite(state_fd, state, i * fmt.STATE_DTYPE.itemsize)
         except OSError as e:
@@ -970,177 +1041,3 @@ def _remove_stale_generations(folder: Path, current: fmt.CacheFiles | None) -> N
         ):
             with suppress(FileNotFoundError):
                 os.unlink(folder / name)
-
-
-# --- decode workers -------------------------------------------------------------------------
-
-Job = tuple[int, str, int, tuple[int, int, int], int, int]
-Result = tuple[int, int, int, str, "np.ndarray | None"]
-
-_worker: dict = {}
-
-
-def _init_worker(data_path: str, options: dict, in_process: bool = False) -> None:
-    if not in_process:
-        # Ctrl-C goes to the whole process group; the parent alone decides to stop, then
-        # terminates the pool, so workers must not die first in the middle of a pwrite.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        cv2.setNumThreads(1)  # one decode per core: parallelism comes from the processes
-        _keep_freed_memory()
-    _worker["fd"] = os.open(data_path, os.O_WRONLY)
-    _worker["options"] = Options.from_json(options)
-    _worker["stderr"] = StderrCapture()
-
-
-def _keep_freed_memory() -> None:
-    """Make glibc reuse freed decode buffers instead of handing them back to the kernel.
-
-    Each decode allocates and frees a few buffers of ~1 MB (720x480x3). By default glibc returns
-    such memory (mmap threshold, heap trimming), so the next image page-faults it all in again:
-    on the project's VMs a fresh page costs ~1 ms per MB, which took a 720x480 decode plus
-    BGR->RGB from ~2.2 to ~3.0-3.6 ms (measured under load; tools/bench.py reports the build
-    rate against the single-core decode rate). A worker holds at most a few such buffers, so
-    keeping them costs a few MB. A no-op where the C library is not glibc.
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    mallopt(m_trim_threshold, 256 << 20)
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
-
-
-def _close_worker() -> None:
-    os.close(_worker.pop("fd"))
-    _worker.pop("stderr").close()
-
-
-def _decode_chunk(jobs: list[Job]) -> list[Result]:
-    return [_decode_one(*job) for job in jobs]
-
-
-def _decode_one(
-    i: int, path: str, offset: int, shape: tuple[int, int, int], size: int, mtime_ns: int
-) -> Result:
-    code, crc, message, pixels = decode_record(
-        path, size, mtime_ns, _worker["options"], _worker["stderr"]
-    )
-    if code != fmt.FILLED:
-        return i, code, 0, message, None
-    if pixels.shape != shape:
-        return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
-    _pwrite_all(_worker["fd"], pixels, offset)
-    return i, fmt.FILLED, crc, message, None
-
-
-def decode_record(
-    path: str,
-    size: int,
-    mtime_ns: int,
-    opts: Options,
-    capture: StderrCapture | None = None,
-) -> tuple[int, int, str, np.ndarray | None]:
-    """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
-
-    The file must have the size and mtime it was listed with, before and after decoding, or it
-    is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
-    is None unless the code is ``FILLED``; ``message`` is what the decoder printed (collected
-    only with a ``capture``) or why the file is bad.
-    """
-    try:
-        before = os.stat(path)
-    except OSError:
-        return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
-    if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
-        return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
-    if capture is None:
-        img, native = read_image(path, opts)
-        message = ""
-    else:
-        with capture:
-            img, native = read_image(path, opts)
-        message = capture.text()
-    if img is None:
-        if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
-            return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
-        return fmt.BAD_UNDECODABLE, 0, message or fmt.BAD_REASONS[fmt.BAD_UNDECODABLE], None
-    if native[0] * native[1] > opts.max_pixels:
-        return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
-    pixels = np.ascontiguousarray(preprocess(img, opts, native))
-    if _stat_key(path) != (size, mtime_ns):
-        return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
-    return fmt.FILLED, zlib.crc32(pixels), message, pixels
-
-
-def _pwrite_all(fd: int, pixels: np.ndarray, offset: int) -> None:
-    written = os.pwrite(fd, pixels, offset)
-    if written != pixels.nbytes:
-        raise OSError(errno.ENOSPC, "short write to the data file")
-
-
-def _stat_key(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
-@contextmanager
-def _main_script_not_imported() -> Iterator[None]:
-    """Start worker processes without re-running the caller's main script in them.
-
-    A forkserver or spawn child imports the parent's ``__main__`` script before it runs its task,
-    re-running the script's top-level code: with no ``if __name__ == "__main__":`` guard around a
-    ``build_cache`` call, that call starts workers of its own, multiprocessing refuses, and Pool
-    replaces the failed worker forever: the build hangs. Our workers need nothing from the
-    script, so while the pool starts its processes the script is presented as the module named
-    ``__main__``, which multiprocessing's children skip. (fork would not import it, but OpenCV's
-    thread pool deadlocks in a forked child when the parent has used it.)
-    """
-    main = sys.modules.get("__main__")
-    if main is None or getattr(main, "__spec__", None) is not None:
-        yield  # run with -m, or interactive: children do not import it anyway
-        return
-    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
-    try:
-        yield
-    finally:
-        main.__spec__ = None
-
-
-def _run_jobs(
-    jobs: list[list[Job]], data_path: str, opts: Options, workers: int | None
-) -> Iterator[list[Result]]:
-    """Decode ``jobs`` in worker processes (in this process for one worker), as they finish."""
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
-    if workers == 1:
-        _init_worker(data_path, opts.to_json(), in_process=True)
-        try:
-            for chunk in jobs:
-                yield _decode_chunk(chunk)
-        finally:
-            _close_worker()
-        return
-    # forkserver: workers start from a clean process (no inherited threads or locks from
-    # torch or OpenCV in the parent), and the server forks them quickly after the first time.
-    ctx = multiprocessing.get_context("forkserver")
-    # The server imports numpy and OpenCV (most of a worker's ~0.4 s of imports) once, before
-    # it forks the workers, instead of every worker importing them on 2 shared cores (with
-    # mmcache.build preloaded, the first result came at 0.31-0.36 s instead of 0.42 s, under
-    # load). Not mmcache itself: Python 3.11's server ignores the parent's sys.path, so it could
-    # import another copy of mmcache (an installed one) than the parent's. Takes effect when
-    # the server starts (the first build of the process).
-    ctx.set_forkserver_preload(["numpy", "cv2"])
-    with _main_script_not_imported():
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(data_path, opts.to_json()))
-    try:
-        yield from pool.imap_unordered(_decode_chunk, jobs)
-        pool.close()
-    except BaseException:
-        pool.terminate()  # Ctrl-C or an error: stop the workers now, not after their queue
-        raise
-    finally:
-        pool.join()

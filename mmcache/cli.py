@@ -8,20 +8,23 @@ Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
+from ._text import count, human_bytes
 from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError, DistributedBuildError
-from .space import human_bytes as _human_bytes
 
 # The bench's method keys, spelled here so that --help does not import torch (mmcache.bench).
 _BENCH_METHODS = (
@@ -36,15 +39,37 @@ _BENCH_METHODS = (
 
 
 class _Progress:
-    """A tqdm bar fed by a library ``progress(done, total)`` callback."""
+    """A library ``progress(done, total)`` callback shown on stderr: a tqdm bar on a terminal;
+    elsewhere (a log file, a pipe) a plain line every ``LOG_EVERY`` seconds, without the
+    carriage returns of a bar; nothing with ``--quiet``."""
+
+    LOG_EVERY = 30.0
 
     def __init__(
-        self, desc: str, unit: str = "img", delay: float = 0.0, unit_scale: bool = False
+        self,
+        desc: str,
+        unit: str = "img",
+        delay: float = 0.0,
+        unit_scale: bool = False,
+        quiet: bool = False,
     ) -> None:
         self.desc, self.unit, self.delay, self.bar = desc, unit, delay, None
-        self.unit_scale = unit_scale
+        self.unit_scale, self.quiet = unit_scale, quiet
+        self.terminal = sys.stderr.isatty()
+        self.logged = time.monotonic()
 
     def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        if not self.terminal:
+            now = time.monotonic()
+            if now - self.logged >= self.LOG_EVERY and done < total:
+                self.logged = now
+                shown = human_bytes(done) if self.unit_scale else f"{done:,}"
+                whole = human_bytes(total) if self.unit_scale else f"{total:,} {self.unit}"
+                print(f"mmcache: {self.desc}: {shown} of {whole} ({done / total:.0%})",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return
         if self.bar is None:
             from tqdm import tqdm
 
@@ -66,15 +91,67 @@ class _Progress:
             self.bar = None
 
 
+@contextmanager
+def _notes_shown(quiet: bool) -> Iterator[None]:
+    """Print what the library logs at INFO and above (``mmcache: waiting for ...``) on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mmcache: %(message)s"))
+    handler.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger = logging.getLogger("mmcache")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _size(text: str) -> tuple[int, int]:
+    """argparse type of ``--size``: the parse error's own words, not "invalid value"."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        hint = ""
+        if text.strip().isdigit():
+            n = text.strip()
+            hint = f"; for a square write {n}x{n}, to keep the aspect ratio use --short-side {n}"
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive whole number, got {text!r}")
+    return value
+
+
 def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preprocessing (fixed at build time, recorded in the cache)")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--size", type=parse_size, metavar="WxH", help="resize to exactly WxH")
+    size.add_argument("--size", type=_size, metavar="WxH", help="resize to exactly WxH")
     size.add_argument(
-        "--max-side", type=int, metavar="N", help="shrink so the longer side is at most N"
+        "--max-side", type=_positive, metavar="N", help="shrink so the longer side is at most N"
     )
     size.add_argument(
-        "--short-side", type=int, metavar="N", help="shrink so the shorter side is at most N"
+        "--short-side",
+        type=_positive,
+        metavar="N",
+        help="shrink so the shorter side is at most N",
     )
     g.add_argument(
         "--interpolation",
@@ -82,10 +159,15 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="resize filter (default auto: area to shrink, linear to enlarge)",
     )
-    g.add_argument("--color", choices=["rgb", "bgr", "gray"], default="rgb")
+    g.add_argument(
+        "--color",
+        choices=["rgb", "bgr", "gray"],
+        default="rgb",
+        help="channels stored: rgb (default), bgr (OpenCV's order) or gray (H x W x 1)",
+    )
     g.add_argument(
         "--max-pixels",
-        type=int,
+        type=_positive,
         default=DEFAULT_MAX_PIXELS,
         metavar="N",
         help=f"refuse larger images without decoding them (default {DEFAULT_MAX_PIXELS:,})",
@@ -111,24 +193,38 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
+    for folder in report.ignored:
+        out(f"  ignored {folder}/ in the source: it holds an mmcache cache")
+    images = count(report.images, "image")
+    pending = f", {count(report.pending, 'record')} to fill on first read" if report.pending else ""
     if report.up_to_date:
-        out(f"{report.cache}: up to date ({report.images:,} images, nothing decoded)")
-        return
-    out(
-        f"{report.cache}: {report.images:,} images, {report.classes} classes, "
-        f"{_human_bytes(report.bytes)}, {report.seconds:.1f} s, "
-        f"{report.images_per_second:,.0f} img/s decoded"
-        + (f", {report.reused:,} reused, {report.dropped:,} dropped" if report.reused else "")
-        + f", {len(report.skipped)} skipped"
-    )
+        out(f"{report.cache}: up to date ({images}{pending}; nothing decoded)")
+    else:
+        out(
+            f"{report.cache}: {images} in {count(report.classes, 'class', 'classes')}, "
+            f"{human_bytes(report.bytes)}, in {report.seconds:.1f} s"
+        )
+        new = report.decoded - report.changed
+        which = []
+        if report.reused or report.changed:  # a refresh: say which files were decoded
+            which = [f"{new:,} new"] if new else []
+            which += [f"{report.changed:,} changed since the last build"] if report.changed else []
+        if report.decode_seconds >= 1:  # a rate over less than a second says nothing
+            which.append(f"{report.images_per_second:,.0f} img/s")
+        done = [f"{report.decoded:,} decoded" + (f" ({', '.join(which)})" if which else "")]
+        if report.reused:
+            done.append(f"{report.reused:,} reused")
+        if report.removed:
+            done.append(f"{report.removed:,} removed (gone from the source)")
+        out("  " + ", ".join(done) + pending + f"; {len(report.skipped):,} skipped")
     for s in report.skipped[:20]:
         out(f"  skipped {s['path']}: {s['reason']}")
     if len(report.skipped) > 20:
-        out(f"  ... and {len(report.skipped) - 20} more (see manifest.json)")
+        out(f"  ... and {len(report.skipped) - 20:,} more (see manifest.json)")
     for w in report.warnings[:5]:
         out(f"  warning {w['path']}: {w['reason']}")
     if len(report.warnings) > 5:
-        out(f"  ... {len(report.warnings) - 5} more decoder warnings (see manifest.json)")
+        out(f"  ... {len(report.warnings) - 5:,} more decoder warnings (see manifest.json)")
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -145,7 +241,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
-    bar = _Progress(desc) if rank == 0 else None  # one bar: several would garble the terminal
+    # One bar: several ranks' bars would garble the terminal.
+    bar = _Progress(desc, quiet=args.quiet) if rank == 0 else None
     try:
         report = build_cache(
             args.source,
@@ -155,13 +252,14 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
             progress=bar,
             force=args.force,
             trust_decoder=args.trust_decoder,
+            replace=args.replace,
             dist_timeout=args.dist_timeout,
             **_preprocessing_kwargs(args),
         )
     finally:
         if bar is not None:
             bar.close()
-    if rank == 0:
+    if rank == 0 and not args.quiet:
         _print_build(report, print)
         if report.trusted_decoder:
             print("  kept pixels decoded by another decoder version (--trust-decoder, recorded)")
@@ -192,15 +290,17 @@ def _sigterm_fails(rank: int) -> Iterator[None]:
 def _cmd_copy(args: argparse.Namespace) -> int:
     from .copying import copy_cache
 
-    bar = _Progress("copying", unit="B", unit_scale=True)
+    bar = _Progress("copying", unit="B", unit_scale=True, quiet=args.quiet)
     try:
         report = copy_cache(args.cache, args.dest, progress=bar)
     finally:
         bar.close()
+    if args.quiet:
+        return 0
     print(
-        f"{report.dest}: {report.images:,} images, {_human_bytes(report.bytes)} "
-        f"({_human_bytes(report.copied)} copied, holes skipped), {report.seconds:.1f} s, "
-        f"{_human_bytes(report.bytes_per_second)}/s; {report.verified:,} records verified"
+        f"{report.dest}: {count(report.images, 'image')}, {human_bytes(report.bytes)} "
+        f"({human_bytes(report.copied)} copied, holes skipped), {report.seconds:.1f} s, "
+        f"{human_bytes(report.bytes_per_second)}/s; {report.verified:,} records verified"
     )
     return 0
 
@@ -239,27 +339,27 @@ def _print_plan(plan, out: Callable[[str], None]) -> None:
     for p in policies:
         fits = "" if not disk else " yes" if plan.free_bytes >= p.disk_bytes else " NO"
         out(
-            f"{p.name:<20} {_human_bytes(p.data_bytes):>10} {_human_bytes(p.total_bytes):>10} "
+            f"{p.name:<20} {human_bytes(p.data_bytes):>10} {human_bytes(p.total_bytes):>10} "
             f"{plan.ram_fraction(p):>7.0%}{fits:>10}"
             + ("  <- this build" if p.name == plan.build.name else "")
         )
     out("")
     if plan.cache is not None:
         out(
-            f"destination  {plan.cache}: {_human_bytes(plan.free_bytes)} free on the filesystem "
-            f"of {plan.destination}; this build needs {_human_bytes(plan.build.disk_bytes)}"
+            f"destination  {plan.cache}: {human_bytes(plan.free_bytes)} free on the filesystem "
+            f"of {plan.destination}; this build needs {human_bytes(plan.build.disk_bytes)}"
         )
         if plan.up_to_date:
             out("             the cache there is up to date: a build would do nothing")
         elif plan.existing_bytes:
             out(
-                f"             the cache there ({_human_bytes(plan.existing_bytes)}) stays "
+                f"             the cache there ({human_bytes(plan.existing_bytes)}) stays "
                 "until the new one is published, then is deleted"
             )
         if not plan.fits_on_disk:
             out("             NOT ENOUGH SPACE: a build would refuse to start (--force overrides)")
     out(
-        f"memory       {_human_bytes(plan.ram_total)} RAM, {_human_bytes(plan.ram_available)} "
+        f"memory       {human_bytes(plan.ram_total)} RAM, {human_bytes(plan.ram_available)} "
         f"available: {plan.ram_fraction():.0%} of this build's pixels fit in the page cache"
     )
 
@@ -324,19 +424,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_cache
 
-    bar = _Progress("verifying", unit="rec")
+    bar = _Progress("verifying", unit="rec", quiet=args.quiet)
     try:
         report = verify_cache(args.cache, source=args.source or False, progress=bar)
     finally:
         bar.close()
+    if args.quiet and report.ok:
+        return 0
     for b in report.bad[:50]:
-        path = b.path.encode("utf-8", "backslashreplace").decode("utf-8")
-        print(f"  bad record {b.index} {path}: {b.what}")
+        print(f"  bad record {b.index} {b.path}: {b.what}")
     if len(report.bad) > 50:
         print(f"  ... and {len(report.bad) - 50} more bad records")
     print(
         f"{report.cache}: {report.checked:,} of {report.records:,} records checked "
-        f"({_human_bytes(report.bytes)}, {report.seconds:.1f} s)"
+        f"({human_bytes(report.bytes)}, {report.seconds:.1f} s)"
         + (f", {report.empty:,} not filled yet" if report.empty else "")
         + (
             f", {report.source_compared:,} compared with the source"
@@ -356,7 +457,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _share(part: int | None, whole: int) -> str:
     if part is None:
         return "unknown (no mincore here)"
-    return f"{_human_bytes(part)} ({part / whole if whole else 1.0:.0%})"
+    return f"{human_bytes(part)} ({part / whole if whole else 1.0:.0%})"
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -367,31 +468,40 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info.to_json(), indent=1, ensure_ascii=False))
         return 0
 
-    def shape(s: tuple[int, int, int]) -> str:
-        return f"{s[1]}x{s[0]}x{s[2]}"
+    def shape(s: tuple[int, int, int]) -> str:  # as the arrays and --json give it
+        return f"{s[0]}x{s[1]}x{s[2]}"
 
     if info.min_size is None:
         sizes = "none"
     elif info.fixed_size:
-        sizes = f"all {shape(info.min_size)} (WxHxC)"
+        sizes = f"all {shape(info.min_size)} (height x width x channels)"
     else:
-        sizes = f"{shape(info.min_size)} to {shape(info.max_size)} (WxHxC, by pixels)"
+        sizes = (
+            f"{shape(info.min_size)} to {shape(info.max_size)} (height x width x channels, "
+            "smallest and largest)"
+        )
+    if info.stale:
+        source = f"changed: {info.stale}"
+    elif not info.source_found:
+        source = f"not found at {info.source}, so not compared"
+    else:
+        source = f"{info.source}, unchanged"
     options = ", ".join(f"{k}={v}" for k, v in info.options.items() if v is not None)
     ram = "cgroup limit" if info.cgroup_limited else "RAM"
     lines = [
         f"cache:      {info.cache}",
         f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
         f"generation {info.generation}",
-        f"images:     {info.images:,} ({info.filled:,} filled), {len(info.classes)} classes, "
-        f"{len(info.skipped)} skipped",
+        f"images:     {info.images:,} ({info.filled:,} filled), "
+        f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped",
         f"sizes:      {sizes}",
         f"options:    {options}",
-        f"data:       {_human_bytes(info.data_bytes)} ({_human_bytes(info.disk_bytes)} on disk, "
-        f"{_human_bytes(info.apparent_bytes)} apparent, all files)",
+        f"data:       {human_bytes(info.data_bytes)} ({human_bytes(info.disk_bytes)} on disk, "
+        f"{human_bytes(info.apparent_bytes)} apparent, all files)",
         f"resident:   {_share(info.resident_bytes, info.data_bytes)} of the data in the page cache",
-        f"memory:     {_human_bytes(info.ram_total)} {ram}, "
-        f"{_human_bytes(info.ram_available)} available",
-        f"source:     {'changed: ' + info.stale if info.stale else 'unchanged (or not there)'}",
+        f"memory:     {human_bytes(info.ram_total)} {ram}, "
+        f"{human_bytes(info.ram_available)} available",
+        f"source:     {source}",
     ]
     lines += [f"  skipped {s['path']}: {s['reason']}" for s in info.skipped[:20]]
     if len(info.skipped) > 20:
@@ -403,17 +513,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_warm(args: argparse.Namespace) -> int:
     from .residency import warm_cache
 
-    bar = _Progress("warming", unit="B", unit_scale=True)
+    bar = _Progress("warming", unit="B", unit_scale=True, quiet=args.quiet)
     try:
         report = warm_cache(args.cache, max_memory=args.max_memory, progress=bar)
     finally:
         bar.close()
+    if args.quiet:
+        return 0
     print(
         f"{report.cache}: {_share(report.resident_after, report.data_bytes)} resident "
         f"(was {_share(report.resident_before, report.data_bytes)}), "
-        f"{_human_bytes(report.read_bytes)} read in {report.seconds:.1f} s"
+        f"{human_bytes(report.read_bytes)} read in {report.seconds:.1f} s"
         + (
-            f"; stopped at the memory budget of {_human_bytes(report.budget_bytes)}"
+            f"; stopped at the memory budget of {human_bytes(report.budget_bytes)}"
             if report.stopped_by_budget
             else ""
         )
@@ -430,8 +542,9 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     elif after == 0:
         status = "evicted, none of the data is in the page cache"
     else:
-        status = f"{_human_bytes(after)} of the data stays resident (mapped by a running process?)"
-    print(f"{args.cache}: {status}")
+        status = f"{human_bytes(after)} of the data stays resident (mapped by a running process?)"
+    if not args.quiet:
+        print(f"{args.cache}: {status}")
     return 0
 
 
@@ -470,19 +583,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report.pixels_equal is not False else 1
 
 
+def _budget(text: str) -> str:
+    """argparse type of ``--max-memory``: a share of RAM or a size, checked now."""
+    from .residency import parse_memory
+
+    try:
+        parse_memory(text, 1 << 40)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in mmcache's one-line form (exit status 2, as argparse's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"mmcache: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="mmcache",
         description="Decode images once into a memory-mapped cache; train from it with PyTorch.",
     )
     p.add_argument("--version", action="version", version=f"mmcache {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
+    )
+    cache_help = "the cache folder"
 
-    b = sub.add_parser("build", help="decode a source folder or list into a cache")
+    b = sub.add_parser("build", parents=[quiet], help="decode a source folder or list into a cache")
     b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     b.add_argument("cache", help="cache folder to create or update")
     _add_preprocessing(b)
-    b.add_argument("--workers", type=int, default=None, help="decode processes (default: cores)")
+    b.add_argument(
+        "--workers",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="decode processes (default: one per core; 0 decodes in this process)",
+    )
     b.add_argument(
         "--strict", action="store_true", help="fail, publishing nothing, if any file is bad"
     )
@@ -491,6 +633,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--force", action="store_true", help="build even if the disk seems to lack the space"
+    )
+    b.add_argument(
+        "--replace",
+        action="store_true",
+        help="rebuild a cache made with other preprocessing options (else refused)",
     )
     b.add_argument(
         "--trust-decoder",
@@ -507,18 +654,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=_cmd_build)
 
-    v = sub.add_parser("verify", help="check every record's checksum (and pixels vs the source)")
-    v.add_argument("cache", help="cache folder")
+    v = sub.add_parser(
+        "verify", parents=[quiet], help="check every record's checksum (and pixels vs the source)"
+    )
+    v.add_argument("cache", help=cache_help)
     v.add_argument(
         "--source",
         nargs="?",
         const="sample",
         choices=["sample", "all"],
-        help="also decode the source again and compare: a 1%% sample (default) or all",
+        help="also decode the source again and compare: a 1%% sample, at least 20 files "
+        "(default), or all",
     )
     v.set_defaults(func=_cmd_verify)
 
-    c = sub.add_parser("copy", help="copy a cache (to a node's local disk) and verify the copy")
+    c = sub.add_parser(
+        "copy", parents=[quiet], help="copy a cache (to a node's local disk) and verify the copy"
+    )
     c.add_argument("cache", help="the cache folder to copy")
     c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
     c.set_defaults(func=_cmd_copy)
@@ -529,26 +681,39 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
     _add_preprocessing(pl)
-    pl.set_defaults(func=_cmd_plan)
+    pl.set_defaults(func=_cmd_plan, quiet=False)
 
     d = sub.add_parser("demo", help="generate images, build a cache, compare epoch times")
-    d.add_argument("--images", type=int, default=1000)
-    d.add_argument("--image-size", type=parse_size, default=(720, 480), metavar="WxH")
-    d.add_argument("--epochs", type=int, default=3)
-    d.add_argument("--batch-size", type=int, default=64)
-    d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    d.add_argument(
+        "--images", type=_positive, default=1000, help="images to generate (default 1000)"
+    )
+    d.add_argument(
+        "--image-size",
+        type=_size,
+        default=(720, 480),
+        metavar="WxH",
+        help="their size (default 720x480)",
+    )
+    d.add_argument("--epochs", type=_positive, default=3, help="epochs per method (default 3)")
+    d.add_argument("--batch-size", type=_positive, default=64, help="batch size (default 64)")
+    d.add_argument(
+        "--workers", type=_non_negative, default=2, help="DataLoader workers (default 2)"
+    )
     d.add_argument("--workdir", help="keep the images and cache here (default: a temp folder)")
-    d.set_defaults(func=_cmd_demo)
+    d.set_defaults(func=_cmd_demo, quiet=False)
 
     i = sub.add_parser("info", help="describe a cache and how much of it is in RAM")
-    i.add_argument("cache")
+    i.add_argument("cache", help=cache_help)
     i.add_argument("--json", action="store_true", help="print one JSON object")
-    i.set_defaults(func=_cmd_info)
+    i.set_defaults(func=_cmd_info, quiet=False)
 
-    w = sub.add_parser("warm", help="read a cache into the page cache, within a memory budget")
-    w.add_argument("cache")
+    w = sub.add_parser(
+        "warm", parents=[quiet], help="read a cache into the page cache, within a memory budget"
+    )
+    w.add_argument("cache", help=cache_help)
     w.add_argument(
         "--max-memory",
+        type=_budget,
         default="90%",
         metavar="BUDGET",
         help="stop before memory used by processes plus the cache would pass this: a share "
@@ -556,8 +721,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.set_defaults(func=_cmd_warm)
 
-    e = sub.add_parser("evict", help="drop a cache's pages from the page cache")
-    e.add_argument("cache")
+    e = sub.add_parser("evict", parents=[quiet], help="drop a cache's pages from the page cache")
+    e.add_argument("cache", help=cache_help)
     e.set_defaults(func=_cmd_evict)
 
     n = sub.add_parser("bench", help="time mmcache against the alternatives, one run, all methods")
@@ -577,21 +742,41 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--methods", help="comma-separated subset of: " + ", ".join(_BENCH_METHODS))
     n.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
     n.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
-    n.set_defaults(func=_cmd_bench)
+    n.set_defaults(func=_cmd_bench, quiet=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # A file name that is not UTF-8 (its bytes kept as surrogate escapes) prints as \xNN.
+        with suppress(AttributeError, ValueError):
+            stream.reconfigure(errors=_ESCAPE)
     try:
-        return args.func(args)
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        with _notes_shown(args.quiet):
+            return args.func(args)
     except CacheError as e:
         print(f"mmcache: error: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:  # bad option values (Options validates them)
-        print(f"mmcache: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("mmcache: interrupted", file=sys.stderr)
         return 130
+
+
+def _escape_bytes(error: UnicodeEncodeError) -> tuple[str, int]:
+    """Write a surrogate-escaped byte as ``\\xNN``, any other unencodable character as
+    ``\\uNNNN``."""
+    chars = error.object[error.start : error.end]
+    text = "".join(
+        f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"\\u{ord(c):04x}"
+        for c in chars
+    )
+    return text, error.end
+
+
+_ESCAPE = "mmcache-escape"
+codecs.register_error(_ESCAPE, _escape_bytes)

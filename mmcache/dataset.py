@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from . import format as fmt
 from .build import RecordFiller, build_cache, create_lazy_cache, preprocessing_options
-from .decode import Options
+from .decode import Options, undecodable_reason
 from .errors import (
     BadImageWarning,
     CacheFormatError,
@@ -94,6 +94,8 @@ class MemmapImageDataset(Dataset):
             of DataLoader workers) while training starts: ``True`` within the default budget
             (90% of RAM), or a budget such as ``"80%"`` or ``"8G"`` (see ``warm_cache``).
             ``wait_warm()`` waits for it and returns its ``WarmReport``.
+        replace: in lazy mode, replace a cache made with other preprocessing options by a new
+            lazy cache; without it such a cache raises ``OptionsChangedError``.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -104,6 +106,7 @@ class MemmapImageDataset(Dataset):
         CacheNotFoundError: no finished cache at ``cache`` (and no ``source``).
         CacheFormatError: a damaged cache, or one of an unknown format version.
         CacheStaleError: with ``on_stale="error"`` and a changed source.
+        OptionsChangedError: lazy mode over a cache of other options, without ``replace``.
         CacheFormatError: with ``verify="first-read"``, from ``ds[i]`` whose pixels are damaged.
         DecodeError: when reading a bad record, with ``on_bad="raise"``.
     """
@@ -126,6 +129,7 @@ class MemmapImageDataset(Dataset):
         on_bad: str = "raise",
         verify: str | None = None,
         warm: bool | str | int = False,
+        replace: bool = False,
     ) -> None:
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
@@ -152,13 +156,13 @@ class MemmapImageDataset(Dataset):
         self.target_transform = target_transform
         self.on_bad = on_bad
         self.verify = verify
-        files = self._open(source, options, on_stale)
+        files = self._open(source, options, on_stale, replace)
         self.generation = files.manifest.generation
         self._attach(files)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _open(
-        self, source: str | os.PathLike | None, options: Options, on_stale: str
+        self, source: str | os.PathLike | None, options: Options, on_stale: str, replace: bool
     ) -> fmt.CacheFiles:
         """Read the cache; in lazy mode create or replace it first when it does not fit."""
         try:
@@ -172,7 +176,9 @@ class MemmapImageDataset(Dataset):
             if files is None or files.manifest.fingerprints.get("options") != (
                 options.fingerprint()
             ):
-                create_lazy_cache(scan_source(source), self.cache, **asdict(options))
+                create_lazy_cache(
+                    scan_source(source), self.cache, replace=replace, **asdict(options)
+                )
                 return fmt.open_cache(self.cache)
             if on_stale != "ignore":
                 listing = scan_source(source)
@@ -348,8 +354,12 @@ class MemmapImageDataset(Dataset):
     def _bad(self, i: int) -> str:
         """``source path: why`` for a bad record."""
         root = self._files.manifest.source.get("root", "")
-        reason = fmt.BAD_REASONS.get(int(self._codes[i]), "unknown state")
-        return f"{os.path.join(root, self._files.path(i))}: {reason}"
+        path = os.path.join(root, self._files.path(i))
+        code = int(self._codes[i])
+        reason = fmt.BAD_REASONS.get(code, "unknown state")
+        if code == fmt.BAD_UNDECODABLE:
+            reason = undecodable_reason(path)  # what the file is, when it is still there
+        return f"{path}: {reason}"
 
     def read(self, i: int) -> np.ndarray:
         """The stored pixels of record ``i`` (no transform), an H x W x C writable array.

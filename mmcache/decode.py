@@ -6,6 +6,11 @@ EXIF orientation, drops alpha, reduces 16-bit to 8-bit and makes CMYK and gray 3
 the cache, because it calls the same functions. ``cv2.imread`` is used rather than
 ``cv2.imdecode``: on a truncated JPEG OpenCV 5 returns the partial image from ``imread`` but
 ``None`` from ``imdecode``.
+
+The file is opened here, and ``cv2.imread`` is given ``/proc/self/fd/N``, a name that reaches it
+whatever bytes its own name holds: OpenCV crashes (SIGSEGV) on a name that is not valid UTF-8,
+which Python passes with surrogate escapes. The descriptor also shows, before any decoder runs,
+whether the path is a regular file: a FIFO named ``x.jpg`` would block ``imread`` forever.
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import cv2
 import numpy as np
 
+from . import format as fmt
 from .errors import DecodeError
-from .probe import probe_size
+from .probe import probe_size, sniff_format
 
 # Pillow's decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): 1024 * 1024 * 1024 // 4 // 3.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -103,6 +112,20 @@ class Options:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
+    def describe(self) -> str:
+        """These options as the command line spells them (``"--short-side 256 --color gray"``),
+        or ``"the defaults (native size, RGB)"``."""
+        words = []
+        default = Options()
+        for name in ("size", "max_side", "short_side", "interpolation", "color", "max_pixels"):
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                shown = f"{value[0]}x{value[1]}" if name == "size" else value
+                words.append(f"--{name.replace('_', '-')} {shown}")
+        if self.reduced_decode:
+            words.append("--reduced-decode")
+        return " ".join(words) or "the defaults (native size, RGB)"
+
     def output_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""
         h, w = height, width
@@ -175,17 +198,107 @@ def read_image(
     sides at least the output size.
     """
     path = os.fspath(path)
-    if options.reduced_decode and path.lower().endswith((".jpg", ".jpeg")):
-        native = probe_size(path)
-        if native is not None:
-            oh, ow, _ = options.output_shape(*native)
-            for factor in (8, 4, 2):
-                if native[0] // factor >= oh and native[1] // factor >= ow:
-                    kind = "gray" if options.color == "gray" else "color"
-                    img = cv2.imread(path, _REDUCED_FLAGS[kind][factor])
-                    return img, native
-    img = cv2.imread(path, read_flags(options))
+    with _imread_name(path) as name:
+        if name is None:
+            return None, None
+        if options.reduced_decode and path.lower().endswith((".jpg", ".jpeg")):
+            native = probe_size(name)
+            if native is not None:
+                oh, ow, _ = options.output_shape(*native)
+                for factor in (8, 4, 2):
+                    if native[0] // factor >= oh and native[1] // factor >= ow:
+                        kind = "gray" if options.color == "gray" else "color"
+                        img = cv2.imread(name, _REDUCED_FLAGS[kind][factor])
+                        return img, native
+        img = cv2.imread(name, read_flags(options))
     return img, None if img is None else img.shape[:2]
+
+
+# Where this OS names a process's open descriptors (Linux; /dev/fd on BSD and macOS).
+_FD_DIR = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+@contextmanager
+def _imread_name(path: str) -> Iterator[str | None]:
+    """A name ``cv2.imread`` can open for ``path`` (see the module docstring), or None when
+    ``path`` is missing or not a regular file."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        yield None
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            yield None
+        elif _FD_DIR is not None:
+            yield f"{_FD_DIR}/{fd}"
+        else:  # no descriptor names here: the path itself, if OpenCV can take it
+            yield path if _utf8(path) else None
+    finally:
+        os.close(fd)
+
+
+def _utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def undecodable_reason(path: str | os.PathLike, decoder_message: str = "") -> str:
+    """What a file that the decoder returned nothing for is, in words a user can act on.
+
+    ``decoder_message``: what the decoder printed while it failed, added to the reason.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        return f"cannot be opened ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        for is_kind, kind in _FILE_KINDS:
+            if is_kind(st.st_mode):
+                return f"not a regular file: {kind}"
+        head = os.pread(fd, 512, 0)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    if st.st_size == 0:
+        return "an empty file (0 bytes)"
+    if head.startswith(_LFS_POINTER):
+        return "a Git LFS pointer, not the image itself (fetch the images with `git lfs pull`)"
+    image_format = sniff_format(head)
+    detail = f" ({decoder_message})" if decoder_message else ""
+    if image_format is not None:
+        return f"a damaged or truncated {image_format} file: the decoder cannot read it{detail}"
+    if b"\x00" not in head and _is_text(head):
+        what = "an HTML page" if head.lstrip()[:1] == b"<" else "a text file"
+        return f"{what}, not an image ({st.st_size:,} bytes){detail}"
+    return (
+        f"not an image: its first bytes ({head[:8].hex(' ')}) are those of no JPEG, PNG, BMP, "
+        f"WebP or TIFF file{detail}"
+    )
+
+
+def _is_text(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # a multi-byte character cut at the end of the read
+    return True
 
 
 def decode_image(path: str | os.PathLike, options: Options | None = None) -> np.ndarray:
@@ -202,6 +315,56 @@ def decode_image(path: str | os.PathLike, options: Options | None = None) -> np.
     if img is None:
         raise DecodeError(f"{path}: OpenCV cannot decode this file")
     return preprocess(img, options, native)
+
+
+def decode_record(
+    path: str,
+    size: int,
+    mtime_ns: int,
+    opts: Options,
+    capture: StderrCapture | None = None,
+) -> tuple[int, int, str, np.ndarray | None]:
+    """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
+
+    The file must have the size and mtime it was listed with, before and after decoding, or it
+    is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
+    is None unless the code is ``FILLED``; ``message`` is what the decoder printed (collected
+    only with a ``capture``) or why the file is bad.
+    """
+    try:
+        before = os.stat(path)
+    except OSError:
+        return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
+    if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
+        return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
+    if capture is None:
+        img, native = read_image(path, opts)
+        message = ""
+    else:
+        with capture:
+            img, native = read_image(path, opts)
+        message = capture.text()
+    if img is None:
+        if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
+            return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
+        return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
+    if native[0] * native[1] > opts.max_pixels:
+        return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
+    pixels = np.ascontiguousarray(preprocess(img, opts, native))
+    if _stat_key(path) != (size, mtime_ns):
+        return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+    return fmt.FILLED, zlib.crc32(pixels), message, pixels
+
+
+def _stat_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+_OPENCV_LOG_PREFIX = re.compile(r"^\[\s*\w+:\d+@[\d.]+\]\s*(global\s+\S+:\d+\s+\S+\s+)?")
 
 
 class StderrCapture:
@@ -234,7 +397,9 @@ class StderrCapture:
         self._file.seek(0)
         raw = self._file.read(4096).decode("utf-8", "replace")
         # One line per distinct message, in order (libjpeg repeats itself).
-        lines = [re.sub(r"^\[\s*\w+:\d+@[\d.]+\]\s*", "", ln).strip() for ln in raw.splitlines()]
+        # "[ WARN:0@0.012] global grfmt_png.cpp:855 read_chunk user chunk data is too large":
+        # the message is what follows OpenCV's level, time and source location.
+        lines = [_OPENCV_LOG_PREFIX.sub("", ln).strip() for ln in raw.splitlines()]
         return "; ".join(dict.fromkeys(ln for ln in lines if ln))
 
 
@@ -249,10 +414,10 @@ def decoder_versions() -> dict[str, str]:
     """The decoder libraries in use, with versions: part of a cache's fingerprint."""
     info = cv2.getBuildInformation()
     versions = {"opencv": cv2.__version__}
-    for fmt in ("JPEG", "PNG", "TIFF", "WEBP"):
-        m = re.search(rf"^\s*{fmt}:\s*(.+)$", info, re.MULTILINE)
+    for library in ("JPEG", "PNG", "TIFF", "WEBP"):
+        m = re.search(rf"^\s*{library}:\s*(.+)$", info, re.MULTILINE)
         if m:
-            versions[fmt.lower()] = m[1].strip()
+            versions[library.lower()] = m[1].strip()
     for name, version in EXTRA_DECODERS.items():
         versions[name] = str(version())
     return versions

@@ -70,12 +70,13 @@ def build_distributed(
     progress: ProgressFn | None = None,
     force: bool = False,
     trust_decoder: bool = False,
+    replace: bool = False,
     timeout: float = 1800.0,
 ) -> BuildReport:
     """Build a cache with every rank of the default process group (``build_cache`` calls this).
 
     Args:
-        source, cache, strict, force, trust_decoder: as for ``build_cache``.
+        source, cache, strict, force, trust_decoder, replace: as for ``build_cache``.
         opts: the preprocessing options.
         workers: decode processes on this rank (default: this node's cores divided by its
             ranks, ``LOCAL_WORLD_SIZE``, so that several ranks on one node share its cores).
@@ -99,8 +100,9 @@ def build_distributed(
     try:
         if channel.rank == 0:
             return _lead(
-                channel, source, cache, opts, workers, progress, strict, force, trust_decoder
-            )
+                channel, source, cache, opts, workers, progress, strict, force, trust_decoder,
+                replace,
+            )  # fmt: skip
         return _follow(channel, workers, progress)
     finally:
         if not channel.broken:
@@ -218,10 +220,11 @@ def _lead(
     strict: bool,
     force: bool,
     trust_decoder: bool,
+    replace: bool,
 ) -> BuildReport:
     start = time.perf_counter()
     try:
-        with _session(source, cache, opts, trust_decoder) as s:
+        with _session(source, cache, opts, trust_decoder, replace=replace) as s:
             report = _up_to_date_report(s)
             if report is None:
                 report = _lead_build(channel, s, opts, workers, progress, strict, force)

@@ -20,6 +20,8 @@ __all__ = [
     "InsufficientSpaceError",
     "DestinationError",
     "DistributedBuildError",
+    "DecodeWorkerError",
+    "OptionsChangedError",
     "MixedShapesError",
     "StaleCacheWarning",
     "BadImageWarning",
@@ -78,6 +80,14 @@ class DestinationError(CacheError, OSError):
 
 class DistributedBuildError(CacheError, RuntimeError):
     """A rank of a distributed build failed, died or timed out; nothing was published."""
+
+
+class OptionsChangedError(CacheError, ValueError):
+    """A build asked for other preprocessing options than the cache there was made with."""
+
+
+class DecodeWorkerError(CacheError, RuntimeError):
+    """The build's decode worker processes could not run (they die at start, or on every file)."""
 
 
 class StaleCacheWarning(UserWarning):

@@ -7,7 +7,10 @@ A cache is one folder; move or copy it as a unit. Its files:
 
 ``manifest.json``
     UTF-8 JSON object, at most ``MAX_MANIFEST_BYTES``. It is the commit point: a folder without
-    it holds no cache, and a reader reads it once and then only the files it names. Keys:
+    it holds no cache, and a reader reads it once and then only the files it names. Writers
+    escape every non-ASCII character (``\\uXXXX``), so a file name that is not valid UTF-8 is
+    stored as Python's ``surrogateescape`` reads it (each undecodable byte as ``\\udc80``
+    to ``\\udcff``). Keys:
 
     - ``"magic"``: MUST be ``"mmcache"``.
     - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
@@ -82,6 +85,7 @@ reads a cache::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -180,11 +184,26 @@ def file_name(kind: str, generation: str) -> str:
 
 def is_cache_file_name(name: str) -> bool:
     """Whether a folder entry is one mmcache writes (so the folder may be reused for a cache)."""
-    if name in (MANIFEST_NAME, LOCK_NAME) or name.startswith(MANIFEST_NAME + ".tmp"):
-        return True
+    return (
+        name in (MANIFEST_NAME, LOCK_NAME)
+        or name.startswith(MANIFEST_NAME + ".tmp")
+        or is_generation_file_name(name)
+    )
+
+
+def is_generation_file_name(name: str) -> bool:
+    """Whether a folder entry is one of the four files of a generation (``data-<gen>.bin``...)."""
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
     return kind in FILE_KINDS and ext == "bin" and len(gen) == 16 and _is_hex(gen)
+
+
+def looks_like_cache(names: list[str]) -> bool:
+    """Whether a folder with these entries holds an mmcache cache, finished or being built."""
+    entries = set(names)
+    return any(is_generation_file_name(n) for n in entries) or (
+        MANIFEST_NAME in entries and LOCK_NAME in entries
+    )
 
 
 def _is_hex(s: str) -> bool:
@@ -297,10 +316,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
             _expect(stat.S_ISREG(os.fstat(f.fileno()).st_mode), mpath, "not a regular file")
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise CacheNotFoundError(
-            f"{folder}: no finished cache here ({MANIFEST_NAME} is missing; "
-            "a build that was stopped leaves none - run `mmcache build` again)"
-        ) from None
+        raise CacheNotFoundError(_no_manifest(folder)) from None
     _expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         m = json.loads(raw.decode("utf-8"))
@@ -391,6 +407,27 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     )
 
 
+def _no_manifest(folder: Path) -> str:
+    """Why a folder without a manifest holds no cache, from what it does hold."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        return f"{folder}: no cache here (the folder cannot be read: {e.strerror})"
+    strangers = [n for n in names if not is_cache_file_name(n)]
+    if strangers:
+        return (
+            f"{folder}: not an mmcache cache (it holds {strangers[0]!r}"
+            f"{' and more' if len(strangers) > 1 else ''}); a cache is the folder "
+            "`mmcache build SOURCE CACHE` writes"
+        )
+    if not names:
+        return f"{folder}: an empty folder, not a cache; `mmcache build SOURCE CACHE` makes one"
+    return (
+        f"{folder}: no finished cache here ({MANIFEST_NAME} is missing: a build was stopped "
+        "before it published, or is running now); run `mmcache build` again"
+    )
+
+
 def _check_manifest_checksum(
     m: dict[str, Any], version: tuple[int, int], mpath: Path
 ) -> dict[str, int] | None:
@@ -452,8 +489,8 @@ def write_manifest(manifest: Manifest) -> None:
     m["checksums"]["manifest"] = manifest_checksum(m)
     tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(m, f, indent=1, ensure_ascii=False)
+        with open(tmp, "w", encoding="ascii") as f:
+            json.dump(m, f, indent=1, ensure_ascii=True)  # see the spec: non-UTF-8 names
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, folder / MANIFEST_NAME)
@@ -463,6 +500,17 @@ def write_manifest(manifest: Manifest) -> None:
         raise
     manifest.checksums = m["checksums"]
     fsync_dir(folder)
+
+
+def write_pixels(fd: int, pixels: np.ndarray, offset: int) -> None:
+    """Write a record's pixels at ``offset`` of an open data file with one ``pwrite``.
+
+    ``pwrite``, never a store through a mapping: on a full disk a store to a sparse mapped page
+    kills the process with SIGBUS, where ``pwrite`` raises ``OSError(ENOSPC)``.
+    """
+    written = os.pwrite(fd, pixels, offset)
+    if written != pixels.nbytes:
+        raise OSError(errno.ENOSPC, "short write to the data file")
 
 
 def fsync_dir(folder: Path) -> None:

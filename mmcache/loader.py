@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from ._text import count
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError
 from .residency import memory
@@ -224,7 +225,8 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
     if len(distinct) > 1:
         top = np.argsort(-counts, kind="stable")[:5]
         found = ", ".join(
-            f"{h}x{w}x{c} ({n} images)" for (h, w, c), n in zip(distinct[top], counts[top])
+            f"{h}x{w}x{c} ({count(int(n), 'image')})"
+            for (h, w, c), n in zip(distinct[top], counts[top])
         )
         more = f" and {len(distinct) - 5} more" if len(distinct) > 5 else ""
         raise MixedShapesError(

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import struct
+import zlib
 
-__all__ = ["probe_size"]
+__all__ = ["probe_size", "sniff_format"]
 
 # --- limits -------------------------------------------------------------------------------------
 
@@ -36,7 +37,7 @@ _MAX_JPEG_SEGMENTS = 1000  # real files have < 100 segments before the first SOS
 _MAX_JPEG_JUNK = 1 << 16  # bytes libjpeg-style marker resynchronisation may skip in total
 _MAX_PNG_CHUNKS = 20_000  # ~160 MB of 8 KiB IDAT chunks
 _MAX_PNG_ANCILLARY = 1 << 22  # larger ancillary chunks are near libpng's 8 MB malloc limit
-_MAX_PNG_EXIF = 1 << 15  # eXIf chunks whose CRC we are willing to check in pure Python
+_MAX_PNG_EXIF = 1 << 15  # larger eXIf chunks are not read and checked: the answer is "unsure"
 _MAX_WEBP_CHUNKS = 64
 _MAX_IFD_ENTRIES = 1024
 _MAX_TIFF_ARRAY = 1 << 16  # bytes of StripOffsets/StripByteCounts we read
@@ -132,19 +133,25 @@ def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:
         os.close(fd)
 
 
-def _probe(r: _Reader) -> tuple[int, int] | None:
-    head = r.head
+def sniff_format(head: bytes) -> str | None:
+    """The image format a file's first 12 bytes announce (``"JPEG"``, ``"PNG"``, ``"BMP"``,
+    ``"WebP"``, ``"TIFF"``), as OpenCV recognises it, or None."""
     if head[:3] == b"\xff\xd8\xff":
-        return _jpeg(r)
+        return "JPEG"
     if head[:8] == b"\x89PNG\r\n\x1a\n":
-        return _png(r)
+        return "PNG"
     if head[:2] == b"BM":
-        return _bmp(r)
+        return "BMP"
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return _webp(r)
+        return "WebP"
     if head[:4] in (b"II*\x00", b"MM\x00*"):
-        return _tiff(r)
+        return "TIFF"
     return None
+
+
+def _probe(r: _Reader) -> tuple[int, int] | None:
+    parser = _PARSERS.get(sniff_format(r.head))
+    return None if parser is None else parser(r)
 
 
 def _checked(height: int, width: int, swap: bool) -> tuple[int, int] | None:
@@ -365,28 +372,6 @@ def _jpeg(r: _Reader) -> tuple[int, int] | None:
 # ignored as duplicates, and so are ImageMagick's tEXt "Raw profile type exif" chunks.
 
 
-def _make_crc_table() -> tuple[int, ...]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (0xEDB88320 ^ (c >> 1)) if c & 1 else (c >> 1)
-        table.append(c)
-    return tuple(table)
-
-
-_CRC_TABLE = _make_crc_table()
-
-
-def _crc32(data: bytes) -> int:
-    # Pure Python (the module stays on struct and os); only IHDR and eXIf chunks are checked.
-    c = 0xFFFFFFFF
-    table = _CRC_TABLE
-    for b in data:
-        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
 _PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
 _PNG_USER_MAX = 1_000_000  # libpng's default user width/height limit
 
@@ -395,7 +380,7 @@ def _png(r: _Reader) -> tuple[int, int] | None:
     ihdr = r.read(8, 25)
     if len(ihdr) < 25 or ihdr[:8] != b"\x00\x00\x00\x0dIHDR":
         return None  # IHDR must come first with length 13
-    if _crc32(ihdr[4:21]) != struct.unpack_from(">I", ihdr, 21)[0]:
+    if zlib.crc32(ihdr[4:21]) != struct.unpack_from(">I", ihdr, 21)[0]:
         return None  # libpng errors on a bad CRC in a critical chunk
     width, height, depth, color, compression, filtering, interlace = struct.unpack_from(
         ">IIBBBBB", ihdr, 8
@@ -446,7 +431,7 @@ def _png(r: _Reader) -> tuple[int, int] | None:
                 body = r.read(pos + 4, length + 8)  # type, data, CRC
                 if (
                     len(body) == length + 8
-                    and _crc32(body[:-4]) == struct.unpack(">I", body[-4:])[0]
+                    and zlib.crc32(body[:-4]) == struct.unpack(">I", body[-4:])[0]
                     and body[4:8] in (b"II*\x00", b"MM\x00*")
                 ):
                     # libpng keeps the first valid eXIf and ignores later ones as duplicates.
@@ -680,3 +665,6 @@ def _tiff(r: _Reader) -> tuple[int, int] | None:
     if max(s + n for s, n in zip(starts, lengths, strict=True)) > r.size:
         return None
     return _checked(height, width, False)
+
+
+_PARSERS = {"JPEG": _jpeg, "PNG": _png, "BMP": _bmp, "WebP": _webp, "TIFF": _tiff}

@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from . import format as fmt
-from .staleness import stale_reason
+from .staleness import recorded_source, stale_reason
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class CacheInfo:
             this generation, by size and by blocks allocated (less when the data file is sparse).
         format_version, mode, generation, options, skipped: from the manifest.
         stale: ``None`` when the source is still matched (or absent), else the reason.
+        source: the folder or list file the cache was made from; ``source_found``: whether it
+            is there (a copied cache's may not be: then it is not compared).
         resident_bytes: bytes of the data file in the page cache now (``None``: unknown here).
         ram_total / ram_available: the machine's RAM, or its control group's limit and headroom
             when that is smaller (``cgroup_limited``).
@@ -98,6 +100,8 @@ class CacheInfo:
     options: dict[str, Any]
     skipped: list[dict[str, Any]]
     stale: str | None
+    source: str
+    source_found: bool
     resident_bytes: int | None
     ram_total: int
     ram_available: int
@@ -353,6 +357,8 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         options=dict(m.options),
         skipped=list(m.skipped),
         stale=stale_reason(files) if check_stale else None,
+        source=recorded_source(m),
+        source_found=Path(recorded_source(m)).exists(),
         resident_bytes=resident_bytes(m.file("data"), 0, m.sizes["data"]),
         ram_total=ram.total,
         ram_available=ram.available,

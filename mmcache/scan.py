@@ -7,11 +7,16 @@ Three kinds of source, decided by what the path is:
   ``ImageFolder`` (classes sorted by name; ``sorted(os.walk(...))`` order, files sorted);
 - a folder with images and no class subfolders: one class named after the folder, label 0;
 - a text or CSV file of ``path,label`` lines (paths relative to the file's folder, or absolute;
-  labels all integers or all class names; blank lines and ``#`` comments ignored, and a first
-  line ``path,label`` is a header).
+  blank lines and ``#`` comments ignored). Labels are class numbers when every one is an
+  integer, class names when none is; a list that mixes them (``1O`` typed for ``10``) is an
+  error naming the lines, never a silent relabelling. A first line ``path,label`` is a header;
+  a header ``path,class`` makes every label a class name, digits too.
 
-Unlike torchvision, hidden files and folders (name starting with ``.``) are skipped, and a
-symlinked folder is followed only the first time its target is reached, so a link loop ends.
+As torchvision's ``ImageFolder``, a class folder without images is an error. Unlike it, hidden
+files and folders (name starting with ``.``) are skipped, a symlinked folder is followed only the
+first time its target is reached, so a link loop ends, and a folder that holds an mmcache cache
+(a cache built inside its own source) is neither a class nor searched for images: the listing
+names it in ``ignored``.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import re
 import stat as stat_mod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import format as fmt
 from .errors import SourceError
+from .probe import sniff_format
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -46,6 +54,8 @@ class Listing:
     labels: np.ndarray
     sizes: np.ndarray
     mtimes: np.ndarray
+    # Folders below the root left out because they hold an mmcache cache, relative to it.
+    ignored: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -87,7 +97,8 @@ def scan_source(source: str | os.PathLike) -> Listing:
     """List the images of ``source`` (a folder or a ``path,label`` file), with their stats.
 
     Raises:
-        SourceError: the source is missing, unreadable, or holds no image files.
+        SourceError: the source is missing, unreadable, holds no image files, has a class
+            folder without images, or is a list with bad lines or mixed labels.
     """
     src = Path(source).expanduser()
     if not src.exists():
@@ -98,31 +109,56 @@ def scan_source(source: str | os.PathLike) -> Listing:
         raise SourceError(f"{src}: not a folder or a list file")
     root = src.resolve()
     try:
-        class_dirs = sorted(
-            e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
-        )
+        entries = list(os.scandir(root))
+        subdirs = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
     except OSError as e:
         raise SourceError(f"{root}: cannot read the folder ({e.strerror})") from None
+    ignored: list[str] = []
+    class_dirs = [d for d in subdirs if not _holds_cache(root / d, d, ignored)]
     if class_dirs:
         classes = class_dirs
-        paths, labels = [], []
+        paths, labels, empty = [], [], []
         for label, name in enumerate(classes):
-            for rel in _walk_images(root, name):
-                paths.append(rel)
-                labels.append(label)
+            found = _walk_images(root, name, ignored)
+            if not found:
+                empty.append(name)
+            paths += found
+            labels += [label] * len(found)
+        if empty and paths:
+            names = ", ".join(repr(n) for n in empty[:5]) + (" ..." if len(empty) > 5 else "")
+            raise SourceError(
+                f"{root}: {len(empty)} class folder{'s' if len(empty) > 1 else ''} without "
+                f"images ({names}), which would be classes no sample has (torchvision's "
+                "ImageFolder refuses them too): add images, remove the folders, or hide them "
+                "with a leading '.'"
+            )
     else:
         classes = [root.name or "images"]
-        paths = _walk_images(root, "")
+        paths = _walk_images(root, "", ignored)
         labels = [0] * len(paths)
     if not paths:
         what = "its class folders" if class_dirs else "it"
         raise SourceError(
             f"{root}: no images found in {what} (looked for {', '.join(IMAGE_EXTENSIONS)})"
         )
-    return _with_stats(root, "folder", None, classes, paths, labels)
+    listing = _with_stats(root, "folder", None, classes, paths, labels)
+    listing.ignored = ignored
+    return listing
 
 
-def _walk_images(root: Path, top: str) -> list[str]:
+def _holds_cache(folder: Path, rel: str, ignored: list[str]) -> bool:
+    """Whether ``folder`` holds an mmcache cache; if so it is noted in ``ignored``."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    if fmt.looks_like_cache(names):
+        ignored.append(rel)
+        return True
+    return False
+
+
+def _walk_images(root: Path, top: str, ignored: list[str]) -> list[str]:
     """Image paths below ``root/top``, relative to root, in torchvision's order."""
     found: list[tuple[str, list[str]]] = []
     seen: set[tuple[int, int]] = set()
@@ -139,6 +175,9 @@ def _walk_images(root: Path, top: str) -> list[str]:
         if key in seen:  # a symlink back to a folder already walked: stop the loop here
             continue
         seen.add(key)
+        if rel_dir and fmt.looks_like_cache([e.name for e in entries]):
+            ignored.append(rel_dir)
+            continue
         files = []
         for e in entries:
             if e.name.startswith("."):
@@ -157,8 +196,13 @@ def _walk_images(root: Path, top: str) -> list[str]:
     return [f"{d}/{f}" if d else f for d, files in found for f in files]
 
 
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
 def _scan_list(list_file: Path) -> Listing:
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[int, str, str]] = []  # (line number, path, label)
+    names_header = False
+    _refuse_image(list_file)
     try:
         with open(list_file, newline="", encoding="utf-8") as f:
             for lineno, row in enumerate(csv.reader(f), 1):
@@ -170,9 +214,11 @@ def _scan_list(list_file: Path) -> Listing:
                     raise SourceError(
                         f"{list_file}:{lineno}: expected 'path,label', found {','.join(row)!r}"
                     )
-                if not rows and [c.strip().lower() for c in row] == ["path", "label"]:
+                header = [c.strip().lower() for c in row]
+                if not rows and header in (["path", "label"], ["path", "class"]):
+                    names_header = header[1] == "class"
                     continue
-                rows.append((row[0].strip(), row[1].strip()))
+                rows.append((lineno, row[0].strip(), row[1].strip()))
     except SourceError:
         raise
     except UnicodeDecodeError:
@@ -182,18 +228,49 @@ def _scan_list(list_file: Path) -> Listing:
     if not rows:
         raise SourceError(f"{list_file}: the list names no images")
     base = list_file.parent
-    files = [os.path.normpath(os.path.join(base, p)) for p, _ in rows]
-    raw_labels = [lab for _, lab in rows]
-    if all(lab.isdigit() for lab in raw_labels):
+    files = [os.path.normpath(os.path.join(base, p)) for _, p, _ in rows]
+    raw_labels = [lab for _, _, lab in rows]
+    numbers = [_INTEGER.fullmatch(lab) is not None for lab in raw_labels]
+    if not names_header and all(numbers):
         labels = [int(lab) for lab in raw_labels]
+        negative = [(n, lab) for (n, _, lab), v in zip(rows, labels) if v < 0]
+        if negative:
+            raise SourceError(f"{list_file}: {_lines(negative)}: a class number is never negative")
         classes = [str(i) for i in range(max(labels) + 1)]
     else:
+        if not names_header and any(numbers):
+            odd = [(n, lab) for (n, _, lab), num in zip(rows, numbers) if not num]
+            raise SourceError(
+                f"{list_file}: the labels are class numbers but for {_lines(odd)}: correct "
+                "those lines, or, if every label is a class name, make the first line "
+                "'path,class'"
+            )
         classes = sorted(set(raw_labels))
         index = {c: i for i, c in enumerate(classes)}
         labels = [index[lab] for lab in raw_labels]
     root = Path(os.path.commonpath([os.path.dirname(p) for p in files]))
     paths = [Path(p).relative_to(root).as_posix() for p in files]
     return _with_stats(root, "list", list_file, classes, paths, labels)
+
+
+def _lines(found: list[tuple[int, str]]) -> str:
+    """``line 12 ('1O'), line 40 ('cat')``: the first few of ``(line number, label)``."""
+    shown = ", ".join(f"line {n} ({lab!r})" for n, lab in found[:5])
+    return shown + (f" and {len(found) - 5} more lines" if len(found) > 5 else "")
+
+
+def _refuse_image(path: Path) -> None:
+    """A single image given as the source is a mistake to name, not a list to parse."""
+    try:
+        with open(path, "rb") as f:
+            image_format = sniff_format(f.read(16))
+    except OSError:
+        return  # reading the list says why
+    if image_format is not None or is_image_file(path.name):
+        raise SourceError(
+            f"{path}: is an image{f' ({image_format})' if image_format else ''}, not a folder "
+            "or a list: give the folder that holds the images"
+        )
 
 
 def _with_stats(

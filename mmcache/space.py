@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import format as fmt
+from ._text import human_bytes
 from .errors import InsufficientSpaceError
 
 # ext4, xfs and tmpfs allocate 4 KiB blocks: a file of 1 byte takes 4096 on disk.
@@ -21,15 +22,6 @@ BLOCK = 4096
 # Room for manifest.json and its temporary copy: class names and skipped-file lists are a few
 # kilobytes for ImageNet's 1,000 classes; 256 KiB covers far more.
 MANIFEST_ALLOWANCE = 256 << 10
-
-
-def human_bytes(n: float) -> str:
-    """``1234567`` -> ``"1.23 MB"`` (decimal units, as disk vendors and ``df -H`` count)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def generation_sizes(paths: Sequence[str], data_bytes: int) -> dict[str, int]:

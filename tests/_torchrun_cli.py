@@ -3,12 +3,13 @@
 Environment: ``FAULT=raise`` makes rank 1 raise after decoding its first chunk, ``FAULT=die``
 makes it exit at once without a word (as a killed process would); ``UNPROBED=name`` makes the
 header probe fail for files of that name, so their size is learnt only by decoding (the
-overflow path). Faults need ``--workers 1``: decoding then runs in the rank's own process.
+overflow path). Faults need ``--workers 0``: decoding then runs in the rank's own process.
 """
 
 import os
 import sys
 
+import mmcache._workers as workers
 import mmcache.build as build
 from mmcache.cli import main
 
@@ -17,13 +18,14 @@ if unprobed:
     real_probe = build.probe_size
     build.probe_size = lambda p: None if os.path.basename(p) == unprobed else real_probe(p)
 if fault and os.environ.get("RANK") == "1":
-    real_chunk = build._decode_chunk
+    real_decode = workers._decode_here
 
-    def failing_chunk(jobs):
-        real_chunk(jobs)  # some records are written: the failure comes mid-decode
-        if fault == "die":
-            os._exit(3)
-        raise OSError("injected failure")
+    def failing_decode(jobs, data_path, opts):
+        for results in real_decode(jobs, data_path, opts):
+            yield results  # some records are written: the failure comes mid-decode
+            if fault == "die":
+                os._exit(3)
+            raise OSError("injected failure")
 
-    build._decode_chunk = failing_chunk
+    workers._decode_here = failing_decode
 sys.exit(main(sys.argv[1:]))

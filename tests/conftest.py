@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -77,6 +78,11 @@ def reference(path: Path | str, *, color: str = "rgb", size=None, interpolation=
     if color == "rgb":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return img.reshape(img.shape[0], img.shape[1], -1)
+
+
+def opened_file(name: str) -> Path:
+    """The file a ``cv2.imread`` name reaches: mmcache hands imread ``/proc/self/fd/N``."""
+    return Path(os.readlink(name) if name.startswith("/proc/self/fd/") else name)
 
 
 def reseal(cache: Path) -> dict:

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, write_image
+from conftest import make_folder, opened_file, write_image
 
 from mmcache import (
     CacheNotFoundError,
     DestinationError,
     MemmapImageDataset,
     NotACacheError,
+    OptionsChangedError,
     StrictBuildError,
     build_cache,
 )
@@ -92,8 +93,8 @@ def test_images_above_the_pixel_limit_are_refused_without_decoding(tmp_path, mon
 
     decoded = []
     real = cv2.imread
-    monkeypatch.setattr(cv2, "imread", lambda p, *a: decoded.append(p) or real(p, *a))
-    report = build_cache(tmp_path / "src", tmp_path / "cache", max_pixels=10_000, workers=1)
+    monkeypatch.setattr(cv2, "imread", lambda p, *a: decoded.append(opened_file(p)) or real(p, *a))
+    report = build_cache(tmp_path / "src", tmp_path / "cache", max_pixels=10_000, workers=0)
     assert report.images == 1
     assert [s["path"] for s in report.skipped] == ["big.png"]
     assert "pixels" in report.skipped[0]["reason"]
@@ -121,10 +122,17 @@ def test_an_up_to_date_build_clears_what_a_killed_build_left(small_folder, tmp_p
     assert MemmapImageDataset(cache)[0][0].shape[2] == 3
 
 
-def test_changed_options_rebuild(small_folder, tmp_path):
+def test_changed_options_are_refused_unless_replace_is_asked(small_folder, tmp_path):
     build_cache(small_folder, tmp_path / "cache", workers=1)
-    report = build_cache(small_folder, tmp_path / "cache", size=(16, 16), workers=1)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()}
+    with pytest.raises(OptionsChangedError) as e:
+        build_cache(small_folder, tmp_path / "cache", size=(16, 16), workers=1)
+    assert "made with the defaults (native size, RGB)" in str(e.value)
+    assert "asks for --size 16x16" in str(e.value) and "--replace" in str(e.value)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()} == before
+    report = build_cache(small_folder, tmp_path / "cache", size=(16, 16), workers=1, replace=True)
     assert not report.up_to_date and report.decoded == 12 and report.reused == 0
+    assert (report.dropped, report.removed) == (12, 0)
     assert MemmapImageDataset(tmp_path / "cache")[0][0].shape == (16, 16, 3)
     # the previous generation's files are gone
     assert len([n for n in os.listdir(tmp_path / "cache") if n.endswith(".bin")]) == 4

@@ -19,7 +19,7 @@ def test_build_then_up_to_date(small_folder, tmp_path, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "12 images, 3 classes" in out and "0 skipped" in out
+    assert "12 images in 3 classes" in out and "12 decoded; 0 skipped" in out
     assert MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
     assert main(["build", str(small_folder), str(tmp_path / "c"), "--max-side", "32"]) == 0
     assert "up to date" in capsys.readouterr().out
@@ -39,7 +39,7 @@ def test_build_lists_skipped_files(testimages, tmp_path, capsys):
         (["build", "{tmp}", "{tmp}/c"], "no images found"),
         (["build", "{src}", "{src}"], "is not an mmcache cache"),
         (["build", "{src}", "/proc/nope"], "cannot write the cache here"),
-        (["build", "{src}", "{tmp}/c", "--max-side", "0"], "max_side must be a positive"),
+        (["build", "{src}", "{tmp}/c", "--max-side", "0"], "expected a positive whole number"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(small_folder, tmp_path, capsys, args, message):
@@ -57,10 +57,15 @@ def test_strict_build_exits_non_zero(testimages, tmp_path, capsys):
     assert "broken.png" in capsys.readouterr().err
 
 
-def test_bad_size_syntax_is_an_argparse_error(small_folder, tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["build", str(small_folder), str(tmp_path / "c"), "--size", "big"])
-    assert e.value.code == 2
+def test_bad_option_values_are_one_line_usage_errors_with_status_2(small_folder, tmp_path, capsys):
+    assert main(["build", str(small_folder), str(tmp_path / "c"), "--size", "big"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmcache: error: argument --size: size must look like WIDTHxHEIGHT")
+    assert err.count("\n") == 1 and not (tmp_path / "c").exists()
+    # the mistake people make: a single number
+    assert main(["build", str(small_folder), str(tmp_path / "c"), "--size", "224"]) == 2
+    err = capsys.readouterr().err
+    assert "for a square write 224x224, to keep the aspect ratio use --short-side 224" in err
 
 
 def test_python_dash_m_and_the_demo(tmp_path):
@@ -97,6 +102,8 @@ def test_reduced_decode_flag_reaches_the_cache(small_folder, tmp_path, capsys):
     args = ["build", str(small_folder), str(tmp_path / "c"), "--max-side", "16", "--workers", "1"]
     assert main([*args, "--reduced-decode"]) == 0
     assert MemmapImageDataset(tmp_path / "c").manifest.options["reduced_decode"] is True
-    assert main(args) == 0  # without the flag: other options, so a rebuild, not "up to date"
+    assert main(args) == 1  # without the flag: other options, refused
+    assert "--max-side 16 --reduced-decode" in capsys.readouterr().err
+    assert main([*args, "--replace"]) == 0  # a rebuild, not "up to date"
     assert "up to date" not in capsys.readouterr().out
     assert "reduced_decode" not in MemmapImageDataset(tmp_path / "c").manifest.options

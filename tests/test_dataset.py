@@ -237,7 +237,7 @@ def test_a_rebuilt_cache_is_not_mixed_into_an_open_dataset(cache, small_folder):
     ds = MemmapImageDataset(cache)
     ds[0]
     copy = pickle.loads(pickle.dumps(ds))
-    build_cache(small_folder, cache, size=(8, 8), workers=1)
+    build_cache(small_folder, cache, size=(8, 8), workers=1, replace=True)
     assert ds[0][0].shape == (48, 64, 3)  # already open: keeps reading its generation
     with pytest.raises(CacheFormatError, match="rebuilt after this dataset was opened"):
         copy[0]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reference, reseal, write_image
+from conftest import opened_file, reference, reseal, write_image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -350,12 +350,12 @@ def test_a_source_file_that_changes_during_the_build_is_skipped_then_picked_up(
         real_imread = cv2.imread
 
         def imread_while_changing(path, *args):
-            if Path(path) == victim:
+            if opened_file(path) == victim:
                 CHANGES[change](victim)
             return real_imread(path, *args)
 
         monkeypatch.setattr(cv2, "imread", imread_while_changing)
-    report = build_cache(small_folder, tmp_path / "cache", workers=1)
+    report = build_cache(small_folder, tmp_path / "cache", workers=0)  # the patch is here
     monkeypatch.undo()
     assert [(s["path"], s["state"]) for s in report.skipped] == [
         ("dog/img_005.jpg", fmt.BAD_SOURCE_CHANGED)

@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from conftest import make_folder, write_image
+from conftest import make_folder, opened_file, write_image
 from torch.utils.data import DataLoader
 
 import mmcache.build
@@ -23,6 +23,7 @@ from mmcache import (
     DecodeError,
     InsufficientSpaceError,
     MemmapImageDataset,
+    OptionsChangedError,
     StaleCacheWarning,
     build_cache,
     create_lazy_cache,
@@ -74,7 +75,7 @@ def test_creation_decodes_nothing_and_publishes_empty_records(src, tmp_path, mon
     decoded = []
     real = cv2.imread
     monkeypatch.setattr(cv2, "imread", lambda p, *a: decoded.append(p) or real(p, *a))
-    report = create_lazy_cache(src, tmp_path / "cache")
+    report = create_lazy_cache(src, tmp_path / "cache", workers=0)
     assert decoded == [] and report.decoded == 0
     assert (report.images, report.pending) == (0, 24)
     m = fmt.read_manifest(tmp_path / "cache")
@@ -217,10 +218,14 @@ def test_two_concurrent_fillers_both_finish_with_correct_pixels(src, tmp_path):
     assert_equals_build(cache, src, tmp_path / "ref")
 
 
-def test_options_are_applied_and_a_change_of_options_starts_a_new_lazy_cache(src, tmp_path):
+def test_options_are_applied_and_other_options_replace_the_cache_only_when_asked(src, tmp_path):
     cache = tmp_path / "cache"
     build_cache(src, cache, workers=1)
-    ds = MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+    built = fmt.read_manifest(cache).generation
+    with pytest.raises(OptionsChangedError, match="made with the defaults .* --size 16x12"):
+        MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+    assert fmt.read_manifest(cache).generation == built  # untouched
+    ds = MemmapImageDataset(cache, source=src, size=(16, 12), color="gray", replace=True)
     m = fmt.read_manifest(cache)
     assert m.mode == "lazy" and (_codes(cache) == fmt.EMPTY).all()
     assert ds[3][0].shape == (12, 16, 1)
@@ -244,10 +249,10 @@ def test_a_built_cache_of_the_same_source_and_options_is_opened_as_it_is(src, tm
 
 @pytest.fixture
 def counted_imread(monkeypatch):
-    """Counts cv2.imread calls in this process (decode workers=1 runs in this process)."""
-    calls: list[str] = []
+    """Counts cv2.imread calls in this process (decode workers=0 runs in this process)."""
+    calls: list[Path] = []
     real = cv2.imread
-    monkeypatch.setattr(cv2, "imread", lambda p, *a: calls.append(p) or real(p, *a))
+    monkeypatch.setattr(cv2, "imread", lambda p, *a: calls.append(opened_file(p)) or real(p, *a))
     return calls
 
 
@@ -256,7 +261,7 @@ def test_refresh_after_modifying_one_of_n_files_decodes_exactly_one(src, tmp_pat
     build_cache(src, cache, workers=1)
     counted_imread.clear()
     write_image(src / "dog" / "img_010.jpg", 30, 40, seed=1234)
-    report = build_cache(src, cache, workers=1)
+    report = build_cache(src, cache, workers=0)
     assert (report.decoded, report.reused, report.dropped, report.images) == (1, 23, 1, 24)
     assert [Path(p).name for p in counted_imread] == ["img_010.jpg"]
     ds = MemmapImageDataset(cache)
@@ -283,7 +288,7 @@ def test_refresh_after_adding_a_class_relabels_and_decodes_only_the_new_files(
     make_folder(tmp_path / "more", {"ant": [(20, 20), (21, 19)]})
     os.rename(tmp_path / "more" / "ant", src / "ant")  # sorts first: every label moves up
     counted_imread.clear()
-    report = build_cache(src, cache, workers=1)
+    report = build_cache(src, cache, workers=0)
     assert (report.decoded, report.reused, report.dropped, report.images) == (2, 24, 0, 26)
     assert len(counted_imread) == 2
     ds = MemmapImageDataset(cache)
@@ -342,7 +347,7 @@ def test_a_bad_file_raises_by_default(src_with_bad, tmp_path):
     cache = tmp_path / "cache"
     ds = MemmapImageDataset(cache, source=src_with_bad, size=(8, 8))
     assert len(ds) == 6
-    with pytest.raises(DecodeError, match=r"img_001\.jpg: the decoder could not read it"):
+    with pytest.raises(DecodeError, match=r"img_001\.jpg: a damaged or truncated JPEG file"):
         ds[1]
     assert _codes(cache)[1] == fmt.BAD_UNDECODABLE
     with pytest.raises(DecodeError, match=r"img_001\.jpg"):  # and again, from its state

@@ -173,20 +173,20 @@ def test_build_refuses_a_destination_without_space(tiny_fs, tmp_path, capsys):
     plan = plan_cache(src, cache)
     assert plan.data_bytes > 8 << 20 and plan.fits_on_disk is False
     with pytest.raises(InsufficientSpaceError, match="--force") as e:
-        build_cache(src, cache, workers=1)
+        build_cache(src, cache, workers=1, replace=True)
     message = str(e.value)
     assert f"{plan.build.disk_bytes:,} bytes" in message and "are free there" in message
     assert sorted(os.listdir(cache)) == before  # nothing was written
     assert np.array_equal(MemmapImageDataset(cache)[0][0], old_pixels)
 
     # The CLI says the same in one line.
-    assert main(["build", str(src), str(cache), "--workers", "1"]) == 1
+    assert main(["build", str(src), str(cache), "--workers", "1", "--replace"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mmcache: error: ") and "--force" in err and err.count("\n") == 1
 
     # Forced, the build starts, meets the full disk, and still leaves the old cache alone.
     with pytest.raises(InsufficientSpaceError, match="disk is full"):
-        build_cache(src, cache, workers=1, force=True)
+        build_cache(src, cache, workers=1, force=True, replace=True)
     assert sorted(os.listdir(cache)) == before
     assert np.array_equal(MemmapImageDataset(cache)[0][0], old_pixels)
 

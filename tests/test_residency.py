@@ -158,7 +158,11 @@ def test_info_cli_text_and_json(small_folder, tmp_path, capsys):
     assert main(["info", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "12 (12 filled), 3 classes, 0 skipped" in out
-    assert "all 32x24x3 (WxHxC)" in out and "resident:" in out and "available" in out
+    assert (
+        "all 24x32x3 (height x width x channels)" in out
+        and "resident:" in out
+        and "available" in out
+    )
     assert main(["info", str(tmp_path / "c"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["images"] == 12 and d["fixed_size"] is True and d["min_size"] == [24, 32, 3]
