@@ -728,15 +728,17 @@ def _parser() -> argparse.ArgumentParser:
     n = sub.add_parser("bench", help="time mmcache against the alternatives, one run, all methods")
     n.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
     n.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
-    n.add_argument("--image-size", type=parse_size, default=(720, 480), metavar="WxH")
-    n.add_argument("--epochs", type=int, default=3)
-    n.add_argument("--batch-size", type=int, default=64)
+    n.add_argument(
+        "--image-size", type=_size, default=(720, 480), metavar="WxH", help="default 720x480"
+    )
+    n.add_argument("--epochs", type=_positive, default=3, help="epochs per method (default 3)")
+    n.add_argument("--batch-size", type=_positive, default=64, help="batch size (default 64)")
     n.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     n.add_argument(
         "--build-workers", type=int, default=None, help="build processes (default: cores)"
     )
     n.add_argument(
-        "--size", type=parse_size, metavar="WxH", help="resize all to WxH (mixed-size folders)"
+        "--size", type=_size, metavar="WxH", help="resize all to WxH (mixed-size folders)"
     )
     n.add_argument("--cold", action="store_true", help="drop the page cache before each method")
     n.add_argument("--methods", help="comma-separated subset of: " + ", ".join(_BENCH_METHODS))

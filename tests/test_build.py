@@ -21,6 +21,7 @@ from mmcache import (
     MemmapImageDataset,
     NotACacheError,
     OptionsChangedError,
+    SourceError,
     StrictBuildError,
     build_cache,
 )
@@ -279,3 +280,76 @@ def test_a_script_without_a_main_guard_builds_with_workers(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("top level ran") == 1
     assert "images 40" in r.stdout
+
+
+# --- builds that end with nothing, and what a skipped file is ---------------------------------
+
+
+def test_a_build_in_which_no_image_decodes_is_an_error_and_publishes_nothing(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        (src / f"{k}.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(SourceError, match="none of its 3 images could be cached") as e:
+        build_cache(src, tmp_path / "cache", workers=1)
+    assert "0.jpg: a damaged or truncated JPEG file" in str(e.value)
+    assert not (tmp_path / "cache").exists()
+    # over an existing cache: the old one stays
+    make_folder(tmp_path / "good", {"a": [(20, 20)]})
+    build_cache(tmp_path / "good", tmp_path / "cache", workers=1)
+    before = sorted(os.listdir(tmp_path / "cache"))
+    for p in (tmp_path / "good" / "a").iterdir():
+        p.write_bytes(b"")
+    with pytest.raises(SourceError, match="none of its 1 images"):
+        build_cache(tmp_path / "good", tmp_path / "cache", workers=1)
+    assert sorted(os.listdir(tmp_path / "cache")) == before
+
+
+SKIP_REASONS = {
+    "empty.jpg": (b"", "an empty file (0 bytes)"),
+    "lfs.jpg": (
+        b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 12345\n",
+        "a Git LFS pointer, not the image itself (fetch the images with `git lfs pull`)",
+    ),
+    "page.jpg": (b"<!DOCTYPE html><html><body>404</body></html>", "an HTML page, not an image"),
+    "notes.png": (b"just some text\n", "a text file, not an image"),
+    "noise.png": (bytes(range(7, 250)), "not an image: its first bytes (07 08 09 0a"),
+    "cut.png": (None, "a damaged or truncated PNG file: the decoder cannot read it"),
+    "bad.jpg": (b"\xff\xd8\xff\xe0 junk", "a damaged or truncated JPEG file"),
+}
+
+
+def test_skip_reasons_say_what_the_file_is(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 20)]})
+    png = write_image(tmp_path / "whole.png", 40, 40).read_bytes()
+    for name, (content, _) in SKIP_REASONS.items():
+        (src / "a" / name).write_bytes(png[:60] if content is None else content)
+    report = build_cache(src, tmp_path / "cache", workers=1)
+    reasons = {s["path"].split("/")[-1]: s["reason"] for s in report.skipped}
+    assert set(reasons) == set(SKIP_REASONS)
+    for name, (_, expected) in SKIP_REASONS.items():
+        assert reasons[name].startswith(expected), (name, reasons[name])
+
+
+def test_a_build_waiting_for_another_s_lock_says_so_then_runs(small_folder, tmp_path):
+    import fcntl
+
+    build_cache(small_folder, tmp_path / "cache", workers=1)
+    write_image(small_folder / "cat" / "new.jpg", 20, 20, seed=3)
+    fd = os.open(tmp_path / "cache" / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a running build holds it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmcache", "build", str(small_folder), str(tmp_path / "cache")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stderr.readline()  # blocks until it says something: the wait
+        assert line.startswith("mmcache: waiting for another build of ") and "lock" in line
+        assert proc.poll() is None and fmt.read_manifest(tmp_path / "cache").count == 12
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "13 images in 3 classes" in out

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+from conftest import write_image
 
 from mmcache import MemmapImageDataset
 from mmcache.cli import main
@@ -107,3 +111,95 @@ def test_reduced_decode_flag_reaches_the_cache(small_folder, tmp_path, capsys):
     assert main([*args, "--replace"]) == 0  # a rebuild, not "up to date"
     assert "up to date" not in capsys.readouterr().out
     assert "reduced_decode" not in MemmapImageDataset(tmp_path / "c").manifest.options
+
+
+# --- messages that say what they mean ---------------------------------------------------------
+
+
+def _build(src, cache, *extra):
+    return main(["build", str(src), str(cache), "--workers", "1", *extra])
+
+
+def test_the_build_summary_counts_what_was_decoded_reused_and_removed(
+    small_folder, tmp_path, capsys
+):
+    cache = tmp_path / "c"
+    assert _build(small_folder, cache) == 0
+    out = capsys.readouterr().out
+    assert "12 images in 3 classes" in out and "\n  12 decoded; 0 skipped" in out
+    assert "img/s" not in out  # a rate over a fraction of a second says nothing
+    os.utime(small_folder / "dog" / "img_005.jpg")  # touched: modified, nothing lost
+    assert _build(small_folder, cache) == 0
+    out = capsys.readouterr().out
+    assert "1 decoded (1 changed since the last build), 11 reused; 0 skipped" in out
+    assert "dropped" not in out and "removed" not in out
+    (small_folder / "dog" / "img_006.jpg").unlink()
+    write_image(small_folder / "dog" / "extra.jpg", 20, 20, seed=9)
+    assert _build(small_folder, cache) == 0
+    out = capsys.readouterr().out
+    assert "12 images in 3 classes" in out
+    assert "1 decoded (1 new), 11 reused, 1 removed (gone from the source); 0 skipped" in out
+
+
+def test_quiet_prints_nothing_and_logs_get_no_carriage_returns(small_folder, tmp_path, capsys):
+    assert _build(small_folder, tmp_path / "c", "--quiet") == 0
+    assert capsys.readouterr() == ("", "")
+    # stderr is not a terminal here: no progress bar, so no carriage return anywhere
+    run = subprocess.run(
+        [sys.executable, "-m", "mmcache", "build", str(small_folder), str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and "\r" not in run.stderr + run.stdout
+    assert "12 images in 3 classes" in run.stdout
+
+
+def test_info_says_when_the_source_is_gone_and_gives_sizes_as_height_by_width(
+    small_folder, tmp_path, capsys
+):
+    assert _build(small_folder, tmp_path / "c", "--size", "32x24") == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "all 24x32x3 (height x width x channels)" in out
+    assert f"source:     {small_folder}, unchanged" in out
+    assert "1 classes" not in out and "3 classes" in out
+    os.rename(small_folder, tmp_path / "moved")
+    assert main(["info", str(tmp_path / "c")]) == 0
+    assert f"source:     not found at {small_folder}, so not compared" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "c"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["min_size"] == [24, 32, 3] and info["source_found"] is False
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p, "not an mmcache cache (it holds 'cat' and more)"),
+        (lambda p: (p.parent / "e").mkdir() or p.parent / "e", "an empty folder, not a cache"),
+        (
+            lambda p: (
+                (p.parent / "s").mkdir() or (p.parent / "s" / "lock").touch() or p.parent / "s"
+            ),
+            "a build was stopped before it published, or is running now",
+        ),
+    ],
+)
+def test_opening_what_is_not_a_cache_says_what_it_is(small_folder, tmp_path, capsys, make, message):
+    assert main(["info", str(make(small_folder))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mmcache: error: ") and message in err and err.count("\n") == 1
+
+
+def test_every_argument_of_every_command_has_help():
+    from mmcache.cli import _parser
+
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert missing == []

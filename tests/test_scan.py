@@ -102,3 +102,78 @@ def test_text_list_with_integer_labels_and_absolute_paths(tmp_path):
 def test_bad_sources_raise_one_clear_error(tmp_path, make, message):
     with pytest.raises(SourceError, match=message):
         scan_source(make(tmp_path))
+
+
+# --- labels never change silently -------------------------------------------------------------
+
+
+def _list(tmp_path, text: str, n: int = 12):
+    for k in range(n):
+        write_image(tmp_path / "imgs" / f"{k}.jpg", 8, 8, seed=k)
+    lst = tmp_path / "train.csv"
+    lst.write_text(text)
+    return lst
+
+
+def test_integer_labels_with_a_typo_are_an_error_naming_the_lines(tmp_path):
+    lines = [f"imgs/{k}.jpg,{k % 11}" for k in range(12)]
+    lines[10] = "imgs/10.jpg,1O"  # the letter O typed for a zero
+    lines[4] = "imgs/4.jpg,four"
+    lst = _list(tmp_path, "path,label\n" + "\n".join(lines) + "\n")
+    with pytest.raises(SourceError) as e:
+        scan_source(lst)
+    message = str(e.value)
+    # line numbers count the header: imgs/4.jpg is on line 6, imgs/10.jpg on line 12
+    assert "class numbers but for line 6 ('four'), line 12 ('1O')" in message
+    assert "make the first line 'path,class'" in message
+
+
+def test_a_path_class_header_makes_every_label_a_name_digits_too(tmp_path):
+    lst = _list(tmp_path, "path,class\nimgs/0.jpg,10\nimgs/1.jpg,9\nimgs/2.jpg,1O\n", n=3)
+    listing = scan_source(lst)
+    assert listing.classes == ["10", "1O", "9"]  # sorted names, as with any class names
+    assert listing.labels.tolist() == [0, 2, 1]
+
+
+def test_negative_class_numbers_are_an_error(tmp_path):
+    lst = _list(tmp_path, "imgs/0.jpg,0\nimgs/1.jpg,-1\n", n=2)
+    with pytest.raises(SourceError, match=r"line 2 \('-1'\): a class number is never negative"):
+        scan_source(lst)
+
+
+def test_a_cache_inside_its_source_is_neither_a_class_nor_images(tmp_path):
+    from mmcache import build_cache
+
+    src = tmp_path / "src"
+    for cls in ("cat", "dog"):
+        write_image(src / cls / "1.jpg", 8, 8)
+    first = build_cache(src, src / "cache", workers=0)  # mmcache build src src/cache
+    assert first.ignored == []
+    again = build_cache(src, src / "cache", workers=0)  # the cache is now inside the source
+    assert again.up_to_date and again.ignored == ["cache"]
+    listing = scan_source(src)
+    assert listing.classes == ["cat", "dog"] and listing.ignored == ["cache"]
+    # deeper, and a build still running (no manifest yet, its files there) count too
+    (src / "dog" / "old").mkdir()
+    (src / "dog" / "old" / "data-0123456789abcdef.bin").write_bytes(b"")
+    write_image(src / "dog" / "old" / "not-an-image-of-ours.jpg", 8, 8)
+    assert scan_source(src).ignored == ["cache", "dog/old"]
+    assert scan_source(src).paths == ["cat/1.jpg", "dog/1.jpg"]
+
+
+def test_a_class_folder_without_images_is_an_error_as_in_torchvision(tmp_path):
+    write_image(tmp_path / "src" / "cat" / "1.jpg", 8, 8)
+    (tmp_path / "src" / "dog").mkdir()
+    (tmp_path / "src" / "dog" / "readme.txt").write_text("soon")
+    with pytest.raises(SourceError, match=r"1 class folder without images \('dog'\)"):
+        scan_source(tmp_path / "src")
+    os.rename(tmp_path / "src" / "dog", tmp_path / "src" / ".dog")  # hidden: skipped
+    assert scan_source(tmp_path / "src").classes == ["cat"]
+
+
+@pytest.mark.parametrize("name", ["photo.jpg", "photo.data"])
+def test_a_single_image_as_the_source_says_so(tmp_path, name):
+    path = write_image(tmp_path / "photo.jpg", 8, 8)
+    path = path.rename(tmp_path / name)
+    with pytest.raises(SourceError, match=r"is an image( \(JPEG\))?, not a folder or a list"):
+        scan_source(path)
