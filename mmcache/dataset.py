@@ -39,7 +39,7 @@ from .errors import (
 )
 from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source
-from .staleness import recorded_source, stale_reason
+from .staleness import rebuild_advice, recorded_source, stale_reason
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
@@ -189,7 +189,7 @@ class MemmapImageDataset(Dataset):
             return files
         if on_stale == "refresh":
             return self._refresh(files, listing, options if source is not None else None)
-        message = f"{self.cache}: the cache is stale: {reason}; run `mmcache build` again"
+        message = f"{self.cache}: the cache is stale: {reason}; {rebuild_advice(files.manifest)}"
         if on_stale == "error":
             raise CacheStaleError(message)
         warnings.warn(message, StaleCacheWarning, stacklevel=3)

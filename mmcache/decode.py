@@ -112,9 +112,9 @@ class Options:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
-    def describe(self) -> str:
-        """These options as the command line spells them (``"--short-side 256 --color gray"``),
-        or ``"the defaults (native size, RGB)"``."""
+    def flags(self) -> str:
+        """The command-line flags that give these options (``"--short-side 256 --color
+        gray"``); empty for the defaults."""
         words = []
         default = Options()
         for name in ("size", "max_side", "short_side", "interpolation", "color", "max_pixels"):
@@ -124,7 +124,11 @@ class Options:
                 words.append(f"--{name.replace('_', '-')} {shown}")
         if self.reduced_decode:
             words.append("--reduced-decode")
-        return " ".join(words) or "the defaults (native size, RGB)"
+        return " ".join(words)
+
+    def describe(self) -> str:
+        """``flags()``, or ``"the defaults (native size, RGB)"``: for messages."""
+        return self.flags() or "the defaults (native size, RGB)"
 
     def output_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""

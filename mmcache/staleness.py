@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
-from .decode import decoder_accepted, decoder_versions
+from .decode import Options, decoder_accepted, decoder_versions
 from .scan import Listing, diff_listings, scan_source
 
 
@@ -39,6 +39,17 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
         elif listing.fingerprint() != m.fingerprints.get("listing"):
             reasons.append("the source changed: " + _diff_summary(files, listing))
     return "; ".join(reasons) or None
+
+
+def rebuild_advice(m: fmt.Manifest) -> str:
+    """What to run to bring cache ``m`` up to date, with the options it was made with."""
+    try:
+        flags = Options.from_json(m.options).flags()
+    except (TypeError, ValueError):
+        flags = ""
+    how = "made" if m.mode == "lazy" else "built"
+    command = f"mmcache build {recorded_source(m)} {m.path}" + (f" {flags}" if flags else "")
+    return f"it was {how} with {flags or 'the default options'}; `{command}` updates it"
 
 
 def recorded_source(m: fmt.Manifest) -> str:
