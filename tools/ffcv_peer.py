@@ -52,6 +52,8 @@ class Cache:
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
+        if not (self.folder / "manifest.json").is_file():
+            raise SystemExit(f"{self.folder}: no manifest.json, so no mmcache cache there")
         m = json.loads((self.folder / "manifest.json").read_text(encoding="utf-8"))
         if m.get("magic") != "mmcache" or m.get("format_version", [None])[0] != 1:
             raise SystemExit(f"{self.folder}: not an mmcache cache of format version 1.x")
