@@ -43,7 +43,7 @@ def build(tree: Path, source: Path, cache: Path, options: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     code = "import sys; from mmcache.cli import main; sys.exit(main(sys.argv[1:]))"
     run = subprocess.run(
-        [sys.executable, "-c", code, "build", str(source), str(cache), "--quiet", *options],
+        [sys.executable, "-c", code, "build", str(source), str(cache), *options],
         env=env,
         cwd=tree,
         capture_output=True,
@@ -74,12 +74,14 @@ def sample_source(folder: Path) -> Path:
     sys.path.insert(0, str(REPO))
     from mmcache.sample_data import make_image_folder
 
-    make_image_folder(folder, images=60, image_size=(96, 64), classes=3, seed=7)
-    real = REPO / "tests" / "data" / "testimages"
-    if real.is_dir():
-        shutil.copytree(real, folder / "real", ignore=shutil.ignore_patterns("*.md", "LICENSE*"))
-    # mixed sizes: a few portrait images as well
-    make_image_folder(folder / "tall", images=6, image_size=(48, 80), classes=1, seed=8)
+    make_image_folder(folder, classes=3, per_class=20, size=(96, 64), seed=7)
+    # mixed sizes: portrait images too, and the real-world files (EXIF, CMYK, 16-bit, broken)
+    make_image_folder(folder / "tall", classes=1, per_class=6, size=(48, 80), seed=8)
+    for real in (REPO / "tests" / "data" / "testimages", REPO.parent / "shared" / "testimages"):
+        if real.is_dir():
+            ignore = shutil.ignore_patterns("*.md", "LICENSE*")
+            shutil.copytree(real, folder / "real", ignore=ignore)
+            break
     return folder
 
 
@@ -94,12 +96,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mmcache-compare-") as tmp:
         tmp = Path(tmp)
         source = args.source or sample_source(tmp / "source")
-        trees = {rev: export(rev, tmp / f"tree-{k}") for k, rev in enumerate((args.before, args.after))}
+        trees = {
+            rev: export(rev, tmp / f"tree-{k}") for k, rev in enumerate((args.before, args.after))
+        }
         failed = False
         for options in runs:
             caches = []
-            for k, (rev, tree) in enumerate(trees.items()):
-                cache = tmp / f"cache-{k}-{len(caches)}-{'-'.join(options) or 'default'}"
+            for k, tree in enumerate(trees.values()):
+                cache = tmp / f"cache-{k}-{'-'.join(options) or 'default'}"
                 build(tree, source, cache, options)
                 caches.append(cache)
             problems = compare(*caches)
