@@ -29,6 +29,7 @@ import cv2
 import numpy as np
 
 from . import format as fmt
+from ._feedback import ProgressFn
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
 
@@ -48,6 +49,29 @@ MAX_CRASHES_BEFORE_ANY_IMAGE = 8
 
 Job = tuple[int, str, int, tuple[int, int, int], int, int]
 Result = tuple[int, int, int, str, "np.ndarray | None"]
+
+
+def chunked(jobs: list[Job]) -> list[list[Job]]:
+    """``jobs`` in the chunks of ``CHUNK`` records that workers take."""
+    return [jobs[k : k + CHUNK] for k in range(0, len(jobs), CHUNK)]
+
+
+def decode_records(
+    jobs: list[list[Job]],
+    data_path: str | os.PathLike,
+    opts: Options,
+    workers: int | None,
+    progress: ProgressFn | None = None,
+) -> Iterator[Result]:
+    """Decode ``jobs`` into the data file at ``data_path``; yields each record's result as it
+    comes, calling ``progress(done, total)`` meanwhile (see ``run_jobs``)."""
+    total = sum(len(chunk) for chunk in jobs)
+    done = 0
+    for results in run_jobs(jobs, os.fspath(data_path), opts, workers):
+        yield from results
+        done += len(results)
+        if progress is not None:
+            progress(done, total)
 
 
 def run_jobs(

@@ -20,22 +20,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 
-from ._text import count, human_bytes
+from ._feedback import count, human_bytes
 from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError, DistributedBuildError
-
-# The bench's method keys, spelled here so that --help does not import torch (mmcache.bench).
-_BENCH_METHODS = (
-    "decode",
-    "manager_dict",
-    "in_memory",
-    "mmcache",
-    "lazy",
-    "batch_loader",
-    "copy_loop",
-)
 
 
 class _Progress:
@@ -548,41 +537,6 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import METHODS, run_bench, write_report
-
-    methods = args.methods.split(",") if args.methods else list(METHODS)
-    print(
-        f"mmcache bench: {args.source or f'{args.images} generated JPEGs'}, {args.epochs} "
-        f"epochs, batch {args.batch_size}, {args.workers} DataLoader workers, shuffled"
-        + (", cold page cache" if args.cold else ""),
-        flush=True,
-    )
-    report = run_bench(
-        source=args.source,
-        images=args.images,
-        image_size=args.image_size,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        epochs=args.epochs,
-        build_workers=args.build_workers,
-        size=args.size,
-        cold=args.cold,
-        methods=methods,
-        workdir=args.workdir,
-        on_event=lambda line: print("  " + line, flush=True),
-    )
-    written = write_report(report, args.out)
-    print("targets (issue 5):")
-    for t in report.targets:
-        got = "n/a" if t.passed is None and t.value != t.value else f"{t.value:.2f}"
-        need = (">=" if t.higher_is_better else "<=") + f" {t.threshold:g}"
-        result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
-        print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0 if report.pixels_equal is not False else 1
-
-
 def _budget(text: str) -> str:
     """argparse type of ``--max-memory``: a share of RAM or a size, checked now."""
     from .residency import parse_memory
@@ -725,26 +679,6 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("cache", help=cache_help)
     e.set_defaults(func=_cmd_evict)
 
-    n = sub.add_parser("bench", help="time mmcache against the alternatives, one run, all methods")
-    n.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
-    n.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
-    n.add_argument(
-        "--image-size", type=_size, default=(720, 480), metavar="WxH", help="default 720x480"
-    )
-    n.add_argument("--epochs", type=_positive, default=3, help="epochs per method (default 3)")
-    n.add_argument("--batch-size", type=_positive, default=64, help="batch size (default 64)")
-    n.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    n.add_argument(
-        "--build-workers", type=int, default=None, help="build processes (default: cores)"
-    )
-    n.add_argument(
-        "--size", type=_size, metavar="WxH", help="resize all to WxH (mixed-size folders)"
-    )
-    n.add_argument("--cold", action="store_true", help="drop the page cache before each method")
-    n.add_argument("--methods", help="comma-separated subset of: " + ", ".join(_BENCH_METHODS))
-    n.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
-    n.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
-    n.set_defaults(func=_cmd_bench, quiet=False)
     return p
 
 

@@ -14,30 +14,21 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
-from .build import (
-    _locked,
-    _prepare_folder,
-    _read_previous,
-    _remove_generation,
-    _remove_stale_generations,
-)
-from .errors import CacheFormatError, DestinationError, InsufficientSpaceError
-from .space import check_free_space, disk_bytes
+from ._feedback import ProgressFn
+from .errors import CacheFormatError, DestinationError
+from .space import check_free_space, disk_bytes, disk_full_error
 from .verify import VerifyReport, check_checksums
 
 __all__ = ["CopyReport", "copy_cache"]
 
-# Bytes per copy_file_range call: progress updates every 64 MiB (~0.1 s on an NVMe disk).
+# Bytes per copy_range call: progress updates every 64 MiB (~0.1 s on an NVMe disk).
 STEP = 64 << 20
-
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass
@@ -98,14 +89,14 @@ def copy_cache(
         files = fmt.read_cache_files(m)
         if folder.exists() and os.path.samefile(folder, source):
             raise DestinationError(f"{folder}: is the cache being copied; choose another folder")
-        _prepare_folder(folder)
-        with _locked(folder):
-            previous = _read_previous(folder)
-            _remove_stale_generations(folder, previous)
+        fmt.prepare_folder(folder)
+        with fmt.writer_lock(folder):
+            previous = fmt.open_existing(folder)
+            fmt.remove_stale_generations(folder, previous)
             copied, verified, manifest = _copy_generation(fds, files, folder, progress)
             fmt.write_manifest(manifest)
             if previous is not None:
-                _remove_generation(folder, previous.manifest.generation)
+                fmt.remove_generation(folder, previous.manifest.generation)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -135,13 +126,12 @@ def _copy_generation(
         # The state file before the data: a lazy cache being filled marks a record FILLED only
         # after writing its pixels, so every record FILLED in the copied state is in the copy.
         for kind in ("index", "paths", "state", "data"):
-            dst = os.open(folder / fmt.file_name(kind, gen), os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            dst = fmt.create_generation_file(folder, kind, gen, m.sizes[kind])  # holes stay
             try:
-                os.ftruncate(dst, m.sizes[kind])  # holes stay holes
                 for offset, length in regions[kind]:
                     for pos in range(offset, offset + length, STEP):
                         n = min(STEP, offset + length - pos)
-                        _copy_range(fds[kind], dst, pos, n)
+                        fmt.copy_range(fds[kind], dst, pos, pos, n)
                         copied += n
                         if progress is not None:
                             progress(copied, total)
@@ -154,11 +144,10 @@ def _copy_generation(
         copy = fmt.Manifest(**{**vars(m), "path": folder, "generation": gen})
         verified = _verify(files, copy)
     except BaseException as e:
-        _remove_generation(folder, gen)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(
-                f"{folder}: the disk is full ({e.strerror}); nothing was published"
-            ) from None
+        fmt.remove_generation(folder, gen)
+        full = disk_full_error(e, folder, "nothing was published")
+        if full is not None:
+            raise full from None
         raise
     return copied, verified, copy
 
@@ -179,46 +168,6 @@ def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
         regions.append((start, end - start))
         pos = end
     return regions
-
-
-def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
-    """Copy ``length`` bytes at ``offset`` from ``src`` to the same offset of ``dst``."""
-    done = 0
-    while done < length:
-        pos = offset + done
-        try:
-            n = os.copy_file_range(src, dst, length - done, pos, pos)
-        except OSError as e:
-            # Across filesystems (EXDEV), or where unsupported: move the rest another way.
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            _copy_range_slow(src, dst, pos, length - done)
-            return
-        if n == 0:
-            raise CacheFormatError(f"the source file ended early, at byte {pos}")
-        done += n
-
-
-def _copy_range_slow(src: int, dst: int, offset: int, length: int) -> None:
-    os.lseek(dst, offset, os.SEEK_SET)
-    done = 0
-    try:
-        while done < length:  # sendfile writes at dst's position
-            n = os.sendfile(dst, src, offset + done, length - done)
-            if n == 0:
-                raise CacheFormatError(f"the source file ended early, at byte {offset + done}")
-            done += n
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS):
-            raise
-        while done < length:
-            chunk = os.pread(src, min(STEP, length - done), offset + done)
-            if not chunk:
-                raise CacheFormatError(
-                    f"the source file ended early, at byte {offset + done}"
-                ) from None
-            os.pwrite(dst, chunk, offset + done)
-            done += len(chunk)
 
 
 def _verify(source: fmt.CacheFiles, copy: fmt.Manifest) -> int:

@@ -27,7 +27,8 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from . import format as fmt
-from .build import RecordFiller, build_cache, create_lazy_cache, preprocessing_options
+from ._filler import RecordFiller
+from .build import build_cache, create_lazy_cache
 from .decode import Options, undecodable_reason
 from .errors import (
     BadImageWarning,
@@ -39,15 +40,15 @@ from .errors import (
 )
 from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source
-from .staleness import rebuild_advice, recorded_source, stale_reason
+from .staleness import rebuild_advice, recorded_source, same_options, stale_reason
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")
 # What __getstate__ drops: each process maps and opens these itself, on first use.
 _PER_PROCESS = (
-    "_files", "_offsets", "_shapes", "_labels", "_data", "_fd", "_states", "_codes", "_filler",
-    "_warned", "_verified",
+    "_files", "_offsets", "_shapes", "_nbytes", "_labels", "_data", "_fd", "_states", "_codes",
+    "_filler", "_warned", "_verified",
 )  # fmt: skip
 
 
@@ -137,7 +138,7 @@ class MemmapImageDataset(Dataset):
             raise ValueError(f"on_bad must be one of {', '.join(ON_BAD)}, got {on_bad!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be None or 'first-read', got {verify!r}")
-        options = preprocessing_options(
+        options = Options(
             size=size,
             max_side=max_side,
             short_side=short_side,
@@ -173,9 +174,7 @@ class MemmapImageDataset(Dataset):
             files = None
         listing = None
         if source is not None:
-            if files is None or files.manifest.fingerprints.get("options") != (
-                options.fingerprint()
-            ):
+            if files is None or not same_options(files.manifest, options):
                 create_lazy_cache(
                     scan_source(source), self.cache, replace=replace, **asdict(options)
                 )
@@ -212,9 +211,8 @@ class MemmapImageDataset(Dataset):
         self._files = files
         index = files.index
         self._offsets = index["offset"].astype(np.int64)
-        self._shapes = np.stack([index["height"], index["width"], index["channels"]], 1).astype(
-            np.int64
-        )
+        self._shapes = fmt.record_shapes(index)
+        self._nbytes = fmt.record_nbytes(index)
         self._labels = index["label"].astype(np.int64)
         self._data: np.ndarray | None = None
         self._fd = -1
@@ -316,13 +314,19 @@ class MemmapImageDataset(Dataset):
         # page-faults every 4 KiB of it into this process, whose memory then grows with the
         # cache, and a file truncated under it kills the process with SIGBUS.
         img = np.empty(self._shapes[i], np.uint8)
-        self._pread_into(i, img)
+        self.read_into(i, img)
         if self._verified is not None and not self._verified[i]:
             self._verify(i, img)
         return img
 
-    def _pread_into(self, i: int, out: np.ndarray) -> None:
-        """Read the stored bytes of FILLED record ``i`` into ``out`` (its size) with one pread."""
+    def read_into(self, i: int, out: np.ndarray) -> None:
+        """Read the stored bytes of FILLED record ``i`` into ``out`` (a writable buffer of its
+        size) with one ``pread``: part of the reading surface (see ``offsets``).
+
+        Raises:
+            CacheFormatError: the data file was truncated after the dataset opened it.
+        """
+        self._map()
         if os.preadv(self._fd, [out], int(self._offsets[i])) != out.nbytes:
             raise CacheFormatError(
                 f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
@@ -449,3 +453,54 @@ class MemmapImageDataset(Dataset):
         if self._files is None:
             self._load()
         return self._files.manifest
+
+    # The reading surface: what BatchLoader and QuasiRandomSampler read records with ---------
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Each record's offset in the data file (int64; read-only, do not modify).
+
+        With ``shapes``, ``record_bytes``, ``labels``, ``data_path``, ``filled``, ``mapping`` and
+        ``read_into``, the reading surface for loaders and samplers that read records themselves.
+        """
+        if self._files is None:
+            self._load()
+        return self._offsets
+
+    @property
+    def shapes(self) -> np.ndarray:
+        """Each record's ``(height, width, channels)``, an (N, 3) int64 array."""
+        if self._files is None:
+            self._load()
+        return self._shapes
+
+    @property
+    def record_bytes(self) -> np.ndarray:
+        """Each record's size in the data file (int64): height * width * channels."""
+        if self._files is None:
+            self._load()
+        return self._nbytes
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Each record's label, an int64 array (``targets`` as a list)."""
+        if self._files is None:
+            self._load()
+        return self._labels
+
+    @property
+    def data_path(self) -> Path:
+        """The data file this dataset's generation reads."""
+        return self.manifest.file("data")
+
+    def filled(self, indices: np.ndarray) -> np.ndarray:
+        """Whether each of the records ``indices`` holds its pixels now (a lazy cache's others
+        are read with ``read``, which fills them); a bool array."""
+        self._map()
+        return self._codes[indices] == fmt.FILLED
+
+    def mapping(self) -> np.ndarray:
+        """The data file mapped read-only and shared, as a flat uint8 array (fast to copy
+        records out of while the cache is in RAM; a file truncated under it kills the process
+        with SIGBUS, where ``read_into`` raises)."""
+        return self._map()

@@ -54,13 +54,14 @@ class Options:
     At most one of ``size`` (exact ``(width, height)``), ``max_side`` and ``short_side`` (keep the
     aspect ratio, never upscale) is set; none keeps the native size. ``interpolation`` ``"auto"``
     uses INTER_AREA to shrink and INTER_LINEAR to enlarge. ``color`` is ``"rgb"``, ``"bgr"`` or
-    ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused.
+    ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
+    (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
 
     ``reduced_decode`` (off by default, an explicit choice): a JPEG that shrinks by 2x or more is
     decoded at 1/2, 1/4 or 1/8 scale in the DCT domain (OpenCV's ``IMREAD_REDUCED_*``), then
-    resized to the same output size. 1.2-1.5x faster to decode, but the pixels differ from the
-    full decode shrunk with INTER_AREA (by up to 34 levels at 1/2 and 15 at 1/4, measured with
-    ``tools/decoders.py``), so it is recorded in the options and the cache's fingerprint.
+    resized to the same output size. Faster to decode, but the pixels differ from the full decode
+    shrunk with INTER_AREA (docs/bench.md gives both, measured with ``tools/decoders.py``), so it
+    is recorded in the options and the cache's fingerprint.
     """
 
     size: tuple[int, int] | None = None
@@ -68,10 +69,12 @@ class Options:
     short_side: int | None = None
     interpolation: str = "auto"
     color: str = "rgb"
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
     reduced_decode: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_pixels is None:
+            object.__setattr__(self, "max_pixels", DEFAULT_MAX_PIXELS)
         if sum(x is not None for x in (self.size, self.max_side, self.short_side)) > 1:
             raise ValueError("choose at most one of size, max_side and short_side")
         if self.size is not None:

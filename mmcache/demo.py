@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from .baselines import DecodingDataset
-from .build import BuildReport, ProgressFn, build_cache
+from ._feedback import ProgressFn
+from .build import BuildReport, build_cache
 from .dataset import MemmapImageDataset
+from .decode import Options, decode_image
 from .loader import BatchLoader
 from .sample_data import make_image_folder
+
+
+class DecodingDataset(Dataset):
+    """Decode ``samples`` (``(path, label)`` pairs) with OpenCV on every access: what
+    ``ImageFolder`` does, the demo's (and the bench's) baseline."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], options: Options | None = None):
+        self.samples = list(samples)
+        self.options = options or Options()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        path, label = self.samples[i]
+        return decode_image(path, self.options), label
 
 
 @dataclass

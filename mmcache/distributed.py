@@ -32,25 +32,15 @@ import socket
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
-from .build import (
-    BuildReport,
-    ProgressFn,
-    Result,
-    _allocate,
-    _decode_records,
-    _discarded_on_failure,
-    _finish,
-    _publish,
-    _Session,
-    _session,
-    _up_to_date_report,
-)
+from . import _writer as writer
+from ._feedback import ProgressFn
+from ._workers import Result, decode_records
+from ._writer import BuildReport
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
 from .scan import Listing
@@ -224,8 +214,8 @@ def _lead(
 ) -> BuildReport:
     start = time.perf_counter()
     try:
-        with _session(source, cache, opts, trust_decoder, replace=replace) as s:
-            report = _up_to_date_report(s)
+        with writer.session(source, cache, opts, trust_decoder=trust_decoder, replace=replace) as s:
+            report = writer.up_to_date_report(s)
             if report is None:
                 report = _lead_build(channel, s, opts, workers, progress, strict, force)
         if channel.step == 0:
@@ -240,20 +230,22 @@ def _lead(
 
 def _lead_build(
     channel: _Channel,
-    s: _Session,
+    s: writer.Session,
     opts: Options,
     workers: int,
     progress: ProgressFn | None,
     strict: bool,
     force: bool,
 ) -> BuildReport:
-    g = _allocate(s, opts, force)
-    with _discarded_on_failure(g):
-        shares = balanced_shares(np.asarray(g.todo, np.int64), g.plan.pixels, channel.world)
+    g = writer.allocate(s, opts, force)
+    with writer.discarded_on_failure(g):
+        shares = balanced_shares(np.asarray(g.todo, np.int64), g.layout.pixels, channel.world)
+        decoding = time.perf_counter()
         share = channel.scatter(
             [("go", (str(g.data_path), opts.to_json(), g.jobs(part))) for part in shares]
         )
         replies = channel.gather(_decode_share(share[1], channel.rank, workers, progress))
+        decode_seconds = time.perf_counter() - decoding  # the slowest share: every rank's
         failures = [message for kind, message in replies if kind == "error"]
         if failures:
             raise DistributedBuildError(f"{'; '.join(failures)}; {_NOTHING_PUBLISHED}")
@@ -264,8 +256,9 @@ def _lead_build(
                     f"{len(part)} records; {_NOTHING_PUBLISHED}"
                 )
             g.record(_unpack(packed))
-        manifest, report = _finish(g, s, opts, strict)
-        _publish(s, manifest)
+        manifest, report = writer.finish(g, s, opts, strict)
+        writer.publish(s, manifest)
+    report.decode_seconds = decode_seconds
     return report
 
 
@@ -300,7 +293,7 @@ def _decode_share(
         return "error", f"{where}: cannot open {data_path} ({e.strerror})"
     try:
         results = list(
-            _decode_records(jobs, Path(data_path), Options.from_json(options), workers, progress)
+            decode_records(jobs, data_path, Options.from_json(options), workers, progress)
         )
         # On a network filesystem a node's writes reach the server when flushed; rank 0 must not
         # publish before every node's pixels are there.

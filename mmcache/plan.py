@@ -19,10 +19,10 @@ import numpy as np
 import psutil
 
 from . import format as fmt
-from .build import ProgressFn, layout_from_sizes, probe_sizes
-from .decode import Options, decoder_accepted
-from .errors import CacheError
-from .scan import scan_source
+from ._feedback import ProgressFn
+from ._layout import layout_from_sizes, probe_sizes
+from .decode import Options
+from .scan import Listing, scan_source
 from .space import (
     check_free_space,
     disk_bytes,
@@ -30,6 +30,7 @@ from .space import (
     free_bytes,
     generation_sizes,
 )
+from .staleness import fingerprints, is_current, to_match
 
 __all__ = ["CachePlan", "PolicyPlan", "SizeDistribution", "check_free_space", "plan_cache"]
 
@@ -194,7 +195,7 @@ def plan_cache(
     build = replace(same[0], options=opts) if same else policy(opts)
     too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
     folder = None if cache is None else Path(cache).expanduser().absolute()
-    existing_bytes, up_to_date = _existing(folder, listing.fingerprint(), opts)
+    existing_bytes, up_to_date = _existing(folder, listing, opts)
     memory = psutil.virtual_memory()
     return CachePlan(
         source=listing.list_file or listing.root,
@@ -227,19 +228,11 @@ def _same_shapes(a: Options, b: Options) -> bool:
     )
 
 
-def _existing(folder: Path | None, listing_fp: str, opts: Options) -> tuple[int, bool]:
+def _existing(folder: Path | None, listing: Listing, opts: Options) -> tuple[int, bool]:
     """Bytes of the cache at ``folder`` (0 if none), and whether a build would leave it as is."""
-    if folder is None:
+    files = None if folder is None else fmt.open_existing(folder)
+    if files is None:
         return 0, False
-    try:
-        m = fmt.read_manifest(folder)
-    except CacheError:
-        return 0, False
-    f = m.fingerprints
-    current = (
-        m.mode == "build"
-        and f.get("listing") == listing_fp
-        and f.get("options") == opts.fingerprint()
-        and decoder_accepted(f.get("decoder"), m.extra.get("trusted_decoder"))
-    )
+    m = files.manifest
+    current = is_current(files, listing, to_match(m, fingerprints(listing, opts)))
     return sum(m.sizes.values()), current

@@ -25,7 +25,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,10 @@ import numpy as np
 import psutil
 
 from . import format as fmt
+from ._feedback import ProgressFn
 from .staleness import recorded_source, stale_reason
 
 logger = logging.getLogger(__name__)
-
-ProgressFn = Callable[[int, int], None]
 
 PAGE = mmap.PAGESIZE
 # mincore maps the file in windows of this size, so a file larger than the address space left
@@ -330,7 +328,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
     files = fmt.read_cache_files(fmt.read_manifest(Path(cache).absolute()))
     m = files.manifest
     idx = files.index
-    shapes = np.stack([idx["height"], idx["width"], idx["channels"]], 1).astype(np.int64)
+    shapes = fmt.record_shapes(idx)
     if len(shapes):
         pixels = shapes.prod(1)
         smallest, largest = (

@@ -22,7 +22,6 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from . import format as fmt
 from .dataset import MemmapImageDataset
 
 # 8 MiB of consecutive records is a sequential read long enough that a disk's seek is a small
@@ -169,14 +168,7 @@ def _layout(data_source: Sized) -> tuple[str, np.ndarray, np.ndarray] | None:
     """(data file, record offsets, record byte sizes) of a MemmapImageDataset, else None."""
     if not isinstance(data_source, MemmapImageDataset):
         return None
-    manifest = data_source.manifest
-    index = np.fromfile(manifest.file("index"), dtype=fmt.INDEX_DTYPE, count=manifest.count)
-    sizes = (
-        index["height"].astype(np.int64)
-        * index["width"].astype(np.int64)
-        * index["channels"].astype(np.int64)
-    )
-    return str(manifest.file("data")), index["offset"].astype(np.int64), sizes
+    return str(data_source.data_path), data_source.offsets, data_source.record_bytes
 
 
 def _default_block_size(n: int, layout: tuple[str, np.ndarray, np.ndarray] | None) -> int:

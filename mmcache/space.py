@@ -8,13 +8,14 @@ whatever the old cache holds.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from . import format as fmt
-from ._text import human_bytes
+from ._feedback import human_bytes
 from .errors import InsufficientSpaceError
 
 # ext4, xfs and tmpfs allocate 4 KiB blocks: a file of 1 byte takes 4096 on disk.
@@ -83,3 +84,13 @@ def check_free_space(folder: str | os.PathLike, needed_bytes: int, force: bool =
             "choose a smaller size (`mmcache plan` compares them) or pass --force (force=True)"
         )
     return free
+
+
+def disk_full_error(
+    error: BaseException, where: str | os.PathLike, advice: str
+) -> InsufficientSpaceError | None:
+    """The ``InsufficientSpaceError`` a write that failed with ``error`` means, if the disk (or a
+    quota) is full; else None. ``advice``: what was kept and what to do, for the message."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpaceError(f"{where}: the disk is full ({error.strerror}); {advice}")
+    return None

@@ -1,17 +1,82 @@
-"""Staleness: whether a cache still matches its source listing and this machine's decoder.
+"""Whether a cache is current: its source listing, options and decoder against this machine's.
 
-Kept free of torch so that ``mmcache info`` and other torch-less callers can ask.
+The one decision of it that builds, ``plan_cache``, ``cache_info`` and the dataset share:
+``fingerprints`` of what a build would make now, ``to_match`` (a decoder the user trusts counts
+as this machine's), ``is_current`` and, for people, ``stale_reason``. Kept free of torch so that
+``mmcache info`` and other torch-less callers can ask.
 """
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
-from .decode import Options, decoder_accepted, decoder_versions
+from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
 from .scan import Listing, diff_listings, scan_source
+
+
+def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
+    """What a cache of ``listing`` made now with ``opts`` records: its listing, options and
+    decoder fingerprints."""
+    return {
+        "listing": listing.fingerprint(),
+        "options": opts.fingerprint(),
+        "decoder": decoder_fingerprint(),
+    }
+
+
+def to_match(m: fmt.Manifest, current: dict[str, str], trust: bool = False) -> dict[str, str]:
+    """The fingerprints cache ``m`` must have to be current or to lend its records: ``current``,
+    with ``m``'s own decoder when the user trusts it now (``trust``) or trusted it before."""
+    recorded = m.fingerprints.get("decoder")
+    if recorded != current["decoder"] and (
+        trust or decoder_accepted(recorded, m.extra.get("trusted_decoder"))
+    ):
+        return {**current, "decoder": recorded}
+    return current
+
+
+def same_options(m: fmt.Manifest, opts: Options) -> bool:
+    """Whether cache ``m`` was made with the preprocessing ``opts``."""
+    return m.fingerprints.get("options") == opts.fingerprint()
+
+
+def is_current(
+    files: fmt.CacheFiles, listing: Listing, wanted: dict[str, str], lazy: bool = False
+) -> bool:
+    """Whether a build of ``listing`` (or, ``lazy``, a lazy creation) would leave ``files`` as it
+    is: the same source, fingerprints ``wanted`` (see ``to_match``), and, for a build, no record
+    left to fill."""
+    m = files.manifest
+    # A file that changed while it was decoded was skipped, yet may read the same as when listed
+    # (restored with its mtime): such a cache is never current, so the next build retries it.
+    retry = any(e.get("state") == fmt.BAD_SOURCE_CHANGED for e in m.skipped)
+    return (
+        m.source == listing.source_json()
+        and all(m.fingerprints.get(k) == v for k, v in wanted.items())
+        and (lazy or bool((files.state["state"] != fmt.EMPTY).all()))
+        and not retry
+    )
+
+
+def trust_record(versions: dict[str, str]) -> dict:
+    """The ``"trusted_decoder"`` a manifest records for a decoder the user declared equivalent."""
+    return {
+        "versions": versions,
+        "fingerprint": decoder_fingerprint(versions),
+        "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def carried_trust(m: fmt.Manifest, wanted: dict[str, str], current: dict[str, str]):
+    """The ``trusted_decoder`` record of a generation that reuses records of cache ``m``: the
+    other decoder whose pixels it keeps (``m``'s own, or the one ``m`` already trusted)."""
+    if wanted["decoder"] != current["decoder"]:
+        return trust_record(m.decoder)
+    return m.extra.get("trusted_decoder")
 
 
 def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str | None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
+from ._feedback import ProgressFn
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 
@@ -31,8 +31,6 @@ SAMPLE_MIN = 20
 # Reads of up to 8 MiB of consecutive records: a syscall per read is then noise next to the
 # copy, and the buffer stays small.
 READ_BYTES = 8 << 20
-
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass
@@ -123,14 +121,6 @@ def verify_cache(
     return report
 
 
-def _nbytes(index: np.ndarray) -> np.ndarray:
-    return (
-        index["height"].astype(np.int64)
-        * index["width"].astype(np.int64)
-        * index["channels"].astype(np.int64)
-    )
-
-
 def check_checksums(
     files: fmt.CacheFiles,
     records: np.ndarray,
@@ -150,7 +140,7 @@ def check_checksums(
     """
     index = files.index
     offsets = index["offset"].astype(np.int64)[records]
-    sizes = _nbytes(index)[records]
+    sizes = fmt.record_nbytes(index)[records]
     order = np.argsort(offsets, kind="stable")
     records, offsets, sizes = records[order], offsets[order], sizes[order]
     crcs = files.state["crc32"]
@@ -245,7 +235,7 @@ def _compare_one(
     f, files: fmt.CacheFiles, r: int, src: Path, options: Options, report: VerifyReport
 ) -> None:
     rec = files.index[r]
-    shape = (int(rec["height"]), int(rec["width"]), int(rec["channels"]))
+    shape = files.shape(r)
     rel = files.path(r)
     # As the build decodes (cv2.imread, then preprocess), but with the output shape checked
     # before resizing: options from a damaged manifest must not make us allocate gigabytes.

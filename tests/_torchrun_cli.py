@@ -9,14 +9,14 @@ overflow path). Faults need ``--workers 0``: decoding then runs in the rank's ow
 import os
 import sys
 
+import mmcache._layout as layout
 import mmcache._workers as workers
-import mmcache.build as build
 from mmcache.cli import main
 
 fault, unprobed = os.environ.get("FAULT"), os.environ.get("UNPROBED")
 if unprobed:
-    real_probe = build.probe_size
-    build.probe_size = lambda p: None if os.path.basename(p) == unprobed else real_probe(p)
+    real_probe = layout.probe_size
+    layout.probe_size = lambda p: None if os.path.basename(p) == unprobed else real_probe(p)
 if fault and os.environ.get("RANK") == "1":
     real_decode = workers._decode_here
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_folder, reseal, write_image
 
-import mmcache.build
+import mmcache._layout
 from mmcache import CacheFormatError, build_cache, copy_cache
 from mmcache import format as fmt
 from mmcache.cli import main
@@ -110,9 +110,9 @@ def test_three_ranks_refresh_an_old_cache_with_overflow(source, tmp_path, monkey
     assert run.returncode == 0, run.stderr
     assert "reused" in run.stdout
 
-    real_probe = mmcache.build.probe_size
+    real_probe = mmcache._layout.probe_size
     monkeypatch.setattr(
-        mmcache.build, "probe_size", lambda p: None if p.endswith("big.png") else real_probe(p)
+        mmcache._layout, "probe_size", lambda p: None if p.endswith("big.png") else real_probe(p)
     )
     build_cache(source, tmp_path / "c1", workers=1)
     assert records(tmp_path / "c3") == records(tmp_path / "c1")

@@ -333,19 +333,19 @@ def test_a_source_file_that_changes_during_the_build_is_skipped_then_picked_up(
 ):
     import cv2
 
-    import mmcache.build as build_mod
+    import mmcache._writer as writer
 
     victim = small_folder / "dog" / "img_005.jpg"
     original, stat0 = victim.read_bytes(), victim.stat()
     if when == "after listing":
-        real_plan = build_mod.plan_layout
+        real_plan = writer.plan_layout
 
         def plan_then_change(listing, opts):
             plan = real_plan(listing, opts)
             CHANGES[change](victim)
             return plan
 
-        monkeypatch.setattr(build_mod, "plan_layout", plan_then_change)
+        monkeypatch.setattr(writer, "plan_layout", plan_then_change)
     else:
         real_imread = cv2.imread
 

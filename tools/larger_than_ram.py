@@ -57,7 +57,7 @@ def measure(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, RandomSampler
 
     from mmcache import BatchLoader, MemmapImageDataset, QuasiRandomSampler, warm_cache
-    from mmcache.baselines import DecodingDataset
+    from mmcache.demo import DecodingDataset
 
     torch.set_num_threads(1)
     cache = Path(args.workdir) / "cache"

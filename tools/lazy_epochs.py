@@ -3,7 +3,7 @@
 Generates a folder of photo-like JPEGs (mmcache.sample_data), then runs the same shuffled
 DataLoader (persistent workers) over
 
-- ``decode every epoch``: ``mmcache.baselines.DecodingDataset`` (what ImageFolder does);
+- ``decode every epoch``: ``mmcache.demo.DecodingDataset`` (what ImageFolder does);
 - ``mmcache lazy``: ``MemmapImageDataset(cache, source=...)`` on a cache that does not exist
   yet, so epoch one decodes and fills it and epoch two reads it;
 
@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmcache.baselines import DecodingDataset
 from mmcache.dataset import MemmapImageDataset
 from mmcache.decode import parse_size
-from mmcache.demo import time_epochs
+from mmcache.demo import DecodingDataset, time_epochs
 from mmcache.sample_data import make_image_folder
 
 

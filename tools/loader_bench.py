@@ -37,9 +37,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from baselines import InMemoryDataset  # noqa: E402
+
 from mmcache import BatchLoader, MemmapImageDataset, build_cache  # noqa: E402
 from mmcache import format as fmt  # noqa: E402
-from mmcache.baselines import DecodingDataset, InMemoryDataset  # noqa: E402
+from mmcache.demo import DecodingDataset  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
 
 

@@ -1,13 +1,14 @@
-"""What users run instead of mmcache, kept here to measure mmcache against side by side.
+"""What users run instead of mmcache, to measure mmcache against side by side (tools/bench.py).
 
-- ``DecodingDataset``: decodes every image on every access (what ``ImageFolder`` does).
+- ``DecodingDataset`` (in ``mmcache.demo``, which the demo needs too): decodes every image on
+  every access (what ``ImageFolder`` does).
 - ``ManagerDictDataset``: the popular cache: decoded arrays in a
   ``multiprocessing.Manager().dict()`` shared by the DataLoader workers, filled in epoch one
   until psutil reports 90% memory used.
 - ``InMemoryDataset``: every image preloaded into one numpy array in the parent before the
   workers fork: the RAM upper bound.
 
-All three produce the pixels ``mmcache.decode.decode_image`` gives, so results compare exactly.
+All three produce the pixels ``mmcache.decode_image`` gives, so results compare exactly.
 """
 
 from __future__ import annotations
@@ -19,22 +20,8 @@ import numpy as np
 import psutil
 from torch.utils.data import Dataset
 
-from .decode import Options, decode_image
-
-
-class DecodingDataset(Dataset):
-    """Decode ``samples`` (``(path, label)`` pairs) with OpenCV on every access."""
-
-    def __init__(self, samples: Sequence[tuple[str, int]], options: Options | None = None):
-        self.samples = list(samples)
-        self.options = options or Options()
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        path, label = self.samples[i]
-        return decode_image(path, self.options), label
+from mmcache import Options, decode_image
+from mmcache.demo import DecodingDataset
 
 
 class ManagerDictDataset(DecodingDataset):

@@ -1,6 +1,12 @@
-"""Numbers in messages: counts with their noun in the right number, byte sizes in units."""
+"""What the library tells its callers: the progress callback type, and numbers for messages
+(counts with their noun in the right number, byte sizes in units)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+# Called as progress(done, total) while a long step runs (records, files or bytes).
+ProgressFn = Callable[[int, int], None]
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:

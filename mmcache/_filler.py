@@ -1,0 +1,86 @@
+"""Filling a lazy cache: one record decoded on its first read and stored in place.
+
+A record is filled by decoding its file, writing the pixels with ``pwrite``, then writing its
+8-byte state ``(crc32, FILLED)`` with ``pwrite``. Readers look at the state first, so a record
+that reads ``FILLED`` is complete, and a process killed between the two writes leaves it
+``EMPTY``, to be decoded again by the next reader. Processes filling the same record at once
+write the same bytes, so no lock is taken.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import format as fmt
+from .decode import Options, decode_record
+from .errors import CacheFormatError, DestinationError
+from .space import disk_full_error
+
+
+class RecordFiller:
+    """Fills the records of one lazy cache generation in place; one per process."""
+
+    def __init__(self, files: fmt.CacheFiles) -> None:
+        m = files.manifest
+        self.files = files
+        self.root = str(m.source.get("root", ""))
+        try:
+            self.options = Options.from_json(m.options)
+        except (TypeError, ValueError) as e:
+            raise CacheFormatError(f"{m.path}: bad options in the manifest ({e})") from None
+        self.fds: list[int] = []
+        try:
+            for kind in ("data", "state"):
+                self.fds.append(os.open(m.file(kind), os.O_WRONLY))
+        except OSError as e:
+            self.close()
+            raise DestinationError(
+                f"{m.file(kind)}: cannot fill the lazy cache ({e.strerror}); records are stored "
+                "where the cache lies, so its user must be able to write there"
+            ) from None
+
+    def fill(self, i: int) -> tuple[int, np.ndarray | None]:
+        """Decode record ``i`` and store it: ``(its new state, its pixels if FILLED)``.
+
+        Raises:
+            InsufficientSpaceError: the disk is full.
+        """
+        r = self.files.index[i]
+        rel = self.files.path(i)
+        if fmt.check_relative_path(rel) is not None:
+            raise CacheFormatError(f"{self.files.manifest.path}: unsafe source path {rel!r}")
+        code, crc, _, pixels = decode_record(
+            os.path.join(self.root, rel),
+            int(r["source_size"]),
+            int(r["source_mtime_ns"]),
+            self.options,
+        )
+        if pixels is not None and pixels.shape != self.files.shape(i):
+            # The header promised another size (a lying header, an orientation the probe read
+            # differently): the record's place is fixed, so the file is refused, never cropped.
+            code, crc, pixels = fmt.BAD_HEADER_MISMATCH, 0, None
+        data_fd, state_fd = self.fds
+        try:
+            if pixels is not None:
+                fmt.write_pixels(data_fd, pixels, int(r["offset"]))
+            fmt.write_state(state_fd, i, crc, code)
+        except OSError as e:
+            m = self.files.manifest
+            full = disk_full_error(
+                e,
+                m.path,
+                f"free {m.sizes['data']:,} bytes for the whole cache, or build it elsewhere",
+            )
+            if full is not None:
+                raise full from None
+            raise
+        return code, pixels
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+
+    def __del__(self) -> None:
+        self.close()

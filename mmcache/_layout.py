@@ -1,0 +1,74 @@
+"""The layout of a new generation: each record's shape and offset, planned from file headers.
+
+Shapes come from headers (``mmcache.probe``) and the preprocessing options, before anything is
+decoded, so decode workers can write each record in place and ``plan_cache`` can say to the byte
+how large a cache will be. A file whose header cannot be read gets shape 0 here: its size is
+known only once it is decoded, and its record is then appended after the planned ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format as fmt
+from ._feedback import ProgressFn
+from .decode import Options
+from .probe import probe_size
+from .scan import Listing
+
+
+@dataclass
+class Layout:
+    """Per-record shapes and offsets in a new data file, and what to do with each record."""
+
+    shapes: np.ndarray  # (N, 3) int64; 0 where unknown from the header
+    offsets: np.ndarray  # uint64
+    data_bytes: int
+    state: np.ndarray  # fmt codes: EMPTY = to decode, BAD_* = refused before decoding
+    pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
+
+
+def plan_layout(listing: Listing, opts: Options) -> Layout:
+    """Shapes from headers (no decoding) and the offsets they give, in listing order."""
+    return layout_from_sizes(probe_sizes(listing), opts)
+
+
+def probe_sizes(listing: Listing, progress: ProgressFn | None = None) -> np.ndarray:
+    """Native ``(height, width)`` of each listed file from its header; ``(0, 0)`` if unreadable."""
+    n = len(listing)
+    hw = np.zeros((n, 2), np.int64)
+    for i in range(n):
+        try:
+            size = probe_size(listing.abspath(i))
+        except OSError:
+            size = None
+        if size is not None:
+            hw[i] = size
+        # ~15 us per probe: a call every 4096 files costs nothing and updates a bar 15x a second.
+        if progress is not None and ((i + 1) % 4096 == 0 or i + 1 == n):
+            progress(i + 1, n)
+    return hw
+
+
+def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
+    """The layout of records of native sizes ``hw`` (as ``probe_sizes`` gives) under ``opts``."""
+    n = len(hw)
+    shapes = np.zeros((n, 3), np.int64)
+    state = np.full(n, fmt.EMPTY, np.uint32)
+    known = hw[:, 0] > 0
+    if opts.size is not None:
+        # The stored shape needs no header; decoding checks the rest (and the pixel limit).
+        shapes[~known] = opts.output_shape(1, 1)
+    too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
+    state[too_large] = fmt.BAD_TOO_LARGE
+    ok = known & ~too_large
+    if ok.any():
+        # Files share sizes (a camera's few resolutions), so each distinct size is shaped once;
+        # one int64 key per size sorts ~10x faster than np.unique(axis=0) on the pairs.
+        keys, inverse = np.unique(hw[ok, 0] << 32 | hw[ok, 1], return_inverse=True)
+        shaped = np.array([opts.output_shape(int(k >> 32), int(k & 0xFFFFFFFF)) for k in keys])
+        shapes[ok] = shaped.reshape(-1, 3)[inverse.reshape(-1)]
+    offsets, data_bytes = fmt.layout_offsets(np.prod(shapes, axis=1))
+    return Layout(shapes, offsets, data_bytes, state, hw[:, 0] * hw[:, 1])

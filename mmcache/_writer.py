@@ -1,0 +1,483 @@
+"""Writing a new generation of a cache: the session that holds the cache's lock, the records
+carried over from the previous generation, the outcomes of decoding, and the atomic publication.
+
+A build (single-process or distributed) runs these steps in order: ``session`` (scan the source,
+check and lock the destination, read the cache there), ``up_to_date_report`` (nothing to do?),
+``allocate`` (plan the layout, create the sparse data file, copy unchanged records), the decode
+workers write the other records in place, ``Generation.record`` takes their outcomes,
+``finish`` writes the index, state and paths and flushes everything, and ``publish`` renames
+the manifest over the old one. Anything that fails inside ``discarded_on_failure`` deletes the
+new generation's files: the previous cache stays as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from . import format as fmt
+from ._layout import Layout, plan_layout
+from ._version import __version__
+from ._workers import Job, Result, chunked
+from .decode import Options, decoder_accepted, decoder_versions
+from .errors import OptionsChangedError, SourceError, StrictBuildError
+from .scan import Listing, scan_source
+from .space import check_free_space, disk_bytes, disk_full_error, generation_sizes
+from .staleness import carried_trust, fingerprints, is_current, same_options, to_match, trust_record
+
+
+@dataclass
+class BuildReport:
+    """What a build did. ``up_to_date`` means it found the cache current and did nothing.
+
+    ``decoded``: files decoded into records now (files that failed count in ``skipped``);
+    ``reused``: records carried over from the previous cache without decoding; ``dropped``:
+    records of the previous cache whose pixels were discarded, of which ``removed`` because
+    their file left the source; ``changed`` counts the decoded files that had a record there
+    (modified since, or the cache replaced with other options). ``images`` counts the
+    records with pixels; a lazy cache's records still to be filled count in ``pending``.
+    ``seconds`` is the whole build, ``decode_seconds`` the decoding alone. ``ignored``: folders
+    inside the source left out because they hold a cache (see ``scan_source``).
+    """
+
+    cache: Path
+    images: int
+    classes: int
+    bytes: int
+    seconds: float
+    decoded: int = 0
+    reused: int = 0
+    dropped: int = 0
+    removed: int = 0
+    changed: int = 0
+    up_to_date: bool = False
+    trusted_decoder: bool = False
+    pending: int = 0
+    decode_seconds: float = 0.0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[dict[str, str]] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    @property
+    def images_per_second(self) -> float:
+        """Decoding rate: files decoded per second of decoding."""
+        return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class Session:
+    """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
+
+    ``current``: the fingerprints of what this build makes; ``wanted``: those the previous cache
+    must have to be current or to lend its records (``staleness.to_match``). ``lazy``: lay out
+    a lazy cache (decode only the records of unknown size) instead of building.
+    """
+
+    listing: Listing
+    folder: Path
+    previous: fmt.CacheFiles | None
+    current: dict[str, str]
+    wanted: dict[str, str]
+    lazy: bool = False
+
+
+@contextmanager
+def session(
+    source: str | os.PathLike | Listing,
+    cache: str | os.PathLike,
+    opts: Options,
+    *,
+    trust_decoder: bool = False,
+    lazy: bool = False,
+    replace: bool = False,
+) -> Iterator[Session]:
+    """Scan the source, check the destination, and hold its writer lock while the build runs.
+
+    A cache there made with other options is refused unless ``replace``.
+    """
+    listing = source if isinstance(source, Listing) else scan_source(source)
+    folder = Path(cache).expanduser().absolute()
+    created = fmt.prepare_folder(folder)
+    try:
+        with fmt.writer_lock(folder):
+            previous = fmt.open_existing(folder)
+            if previous is not None and not replace:
+                refuse_other_options(previous.manifest, opts)
+            # Before the up-to-date check: a build that finds the cache current also clears
+            # what killed builds left behind.
+            fmt.remove_stale_generations(folder, previous)
+            current = fingerprints(listing, opts)
+            wanted = current
+            if previous is not None:
+                wanted = to_match(previous.manifest, current, trust_decoder)
+            yield Session(listing, folder, previous, current, wanted, lazy)
+    except BaseException:
+        if created:  # a first build that failed leaves no folder behind
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
+    """OptionsChangedError if cache ``m`` was made with other preprocessing than ``opts``."""
+    if same_options(m, opts):
+        return
+    try:
+        built_with = Options.from_json(m.options).describe()
+    except (TypeError, ValueError):
+        built_with = f"options this mmcache cannot read ({m.options})"
+    raise OptionsChangedError(
+        f"{m.path}: the cache there was made with {built_with}; this build asks for "
+        f"{opts.describe()}, which would decode every image again and replace all "
+        f"{m.count:,} records. Repeat the options it was made with, or pass --replace "
+        "(replace=True) to rebuild it with the new ones"
+    )
+
+
+def up_to_date_report(s: Session) -> BuildReport | None:
+    """The report of a build that has nothing to do, or None if the cache must be (re)built."""
+    if s.previous is None or not is_current(s.previous, s.listing, s.wanted, s.lazy):
+        return None
+    m = s.previous.manifest
+    report = current_report(s.previous)
+    report.ignored = list(s.listing.ignored)
+    report.trusted_decoder = not decoder_accepted(
+        m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
+    )
+    if report.trusted_decoder:
+        m.extra["trusted_decoder"] = trust_record(decoder_versions())
+        fmt.write_manifest(m)
+    return report
+
+
+def current_report(files: fmt.CacheFiles) -> BuildReport:
+    """The report of a build that found ``files`` current and did nothing."""
+    m = files.manifest
+    codes = files.state["state"]
+    # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
+    bad = [
+        {"path": files.path(i), "reason": fmt.BAD_REASONS[int(codes[i])]}
+        for i in np.flatnonzero(codes > fmt.FILLED)
+    ]
+    return BuildReport(
+        cache=m.path,
+        images=int((codes == fmt.FILLED).sum()),
+        classes=len(m.classes),
+        bytes=m.sizes["data"],
+        seconds=0.0,
+        up_to_date=True,
+        pending=int((codes == fmt.EMPTY).sum()),
+        skipped=m.skipped + bad,
+        warnings=m.warnings,
+    )
+
+
+@dataclass
+class Generation:
+    """A new generation being written: its layout, and every record's outcome so far."""
+
+    folder: Path
+    gen: str
+    listing: Listing
+    layout: Layout
+    state: np.ndarray
+    crcs: np.ndarray
+    messages: dict[int, str]
+    overflow: dict[int, np.ndarray]
+    reused: int
+    todo: list[int]  # records to decode, in listing order
+
+    @property
+    def data_path(self) -> Path:
+        return self.folder / fmt.file_name("data", self.gen)
+
+    def jobs(self, records: Iterable[int]) -> list[list[Job]]:
+        """Decode jobs for ``records``, in the chunks the workers take."""
+        listing, layout = self.listing, self.layout
+        return chunked(
+            [
+                (
+                    i,
+                    listing.abspath(i),
+                    int(layout.offsets[i]),
+                    tuple(int(v) for v in layout.shapes[i]),
+                    int(listing.sizes[i]),
+                    int(listing.mtimes[i]),
+                )
+                for i in records
+            ]
+        )
+
+    def record(self, results: Iterable[Result]) -> None:
+        """Take decode results: state, crc, decoder message, overflow pixels."""
+        for i, code, crc, message, pixels in results:
+            self.state[i], self.crcs[i] = code, crc
+            if message:
+                self.messages[i] = message
+            if pixels is not None:
+                self.overflow[i] = pixels
+
+
+def allocate(s: Session, opts: Options, force: bool) -> Generation:
+    """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
+    listing = s.listing
+    layout = plan_layout(listing, opts)
+    # Before anything is written: the whole new generation, while the old one stays on disk.
+    kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
+    check_free_space(s.folder, disk_bytes(generation_sizes(kept, layout.data_bytes)), force)
+    n = len(listing)
+    g = Generation(
+        folder=s.folder,
+        gen=fmt.new_generation(),
+        listing=listing,
+        layout=layout,
+        state=layout.state.copy(),
+        crcs=np.zeros(n, np.uint32),
+        messages={},
+        overflow={},
+        reused=0,
+        todo=[],
+    )
+    _carry_skips(s.previous, listing, s.wanted, g.state, g.messages)
+    with discarded_on_failure(g):
+        fmt.create_data_file(g.data_path, layout.data_bytes)
+        reuse = _reusable(s.previous, listing, s.wanted)
+        g.reused = _copy_reused(s.previous, reuse, layout, g.data_path, g.crcs, g.state)
+    # A lazy cache decodes now only the records whose size, hence every later offset, is unknown.
+    g.todo = [
+        i for i in range(n) if g.state[i] == fmt.EMPTY and not (s.lazy and layout.shapes[i, 0])
+    ]
+    return g
+
+
+@contextmanager
+def discarded_on_failure(g: Generation) -> Iterator[None]:
+    """Delete the new generation's files if anything fails (or is interrupted) inside, unless
+    it failed after publishing them (``publish`` runs inside, so that a disk that fills up while
+    the manifest is written discards the new generation and reads as InsufficientSpaceError)."""
+    try:
+        yield
+    except BaseException as e:
+        if fmt.published_generation(g.folder) == g.gen:  # failed after the commit point
+            raise
+        fmt.remove_generation(g.folder, g.gen)
+        full = disk_full_error(
+            e,
+            g.folder,
+            f"the cache needs {g.layout.data_bytes:,} bytes of pixels. Nothing was published; "
+            "the previous cache, if any, is intact",
+        )
+        if full is not None:
+            raise full from None
+        raise
+
+
+def finish(
+    g: Generation, s: Session, opts: Options, strict: bool
+) -> tuple[fmt.Manifest, BuildReport]:
+    """Check strictness, place overflow records, write and flush the generation's files."""
+    listing, layout, state = g.listing, g.layout, g.state
+    # A lazy cache keeps its EMPTY records: filling them is the readers' job.
+    kept = (state == fmt.FILLED) | ((state == fmt.EMPTY) if s.lazy else False)
+    keep = np.flatnonzero(kept)
+    skipped = [
+        {
+            "path": listing.paths[i],
+            "reason": g.messages.get(i) or fmt.BAD_REASONS[int(state[i])],
+            "size": int(listing.sizes[i]),
+            "mtime_ns": int(listing.mtimes[i]),
+            "state": int(state[i]),
+        }
+        for i in np.flatnonzero(~kept)
+    ]
+    if skipped and (strict or not len(keep)):
+        names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
+        more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+        if strict:
+            raise StrictBuildError(
+                f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
+            )
+        raise SourceError(
+            f"{listing.root}: none of its {len(skipped):,} images could be cached, so nothing "
+            f"was published: {names}{more}"
+        )
+    offsets, data_bytes = layout.offsets.copy(), layout.data_bytes
+    if g.overflow:
+        data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
+    warnings = [
+        {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
+    ]
+    index, paths_blob = fmt.index_records(
+        offsets[keep],
+        layout.shapes[keep],
+        listing.labels[keep],
+        [listing.paths[i].encode("utf-8", "surrogateescape") for i in keep],
+        listing.sizes[keep],
+        listing.mtimes[keep],
+    )
+    records = np.zeros(len(keep), fmt.STATE_DTYPE)
+    records["crc32"], records["state"] = g.crcs[keep], state[keep]
+    sizes = fmt.write_generation(g.folder, g.gen, index, records, paths_blob, data_bytes)
+    manifest = fmt.Manifest(
+        path=g.folder,
+        generation=g.gen,
+        count=len(keep),
+        mode="lazy" if s.lazy else "build",
+        source=listing.source_json(),
+        options=opts.to_json(),
+        classes=listing.classes,
+        skipped=skipped,
+        warnings=warnings,
+        fingerprints=s.current,
+        decoder=decoder_versions(),
+        sizes=sizes,
+        extra={
+            "mmcache_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+    )
+    previous = s.previous
+    trusted = carried_trust(previous.manifest, s.wanted, s.current) if g.reused else None
+    if trusted is not None:
+        manifest.extra["trusted_decoder"] = trusted
+    had_pixels = removed = changed = 0
+    if previous is not None:
+        filled = previous.state["state"] == fmt.FILLED
+        had_pixels = int(filled.sum())
+        old_paths = {previous.path(int(j)) for j in np.flatnonzero(filled)}
+        removed = len(old_paths - set(listing.paths))
+        changed = sum(listing.paths[i] in old_paths for i in g.todo)
+    report = BuildReport(
+        cache=g.folder,
+        images=int((state == fmt.FILLED).sum()),
+        classes=len(listing.classes),
+        bytes=data_bytes,
+        seconds=0.0,
+        decoded=int((state[g.todo] == fmt.FILLED).sum()) if g.todo else 0,
+        reused=g.reused,
+        dropped=had_pixels - g.reused,
+        removed=removed,
+        changed=changed,
+        ignored=list(listing.ignored),
+        pending=int((state[keep] == fmt.EMPTY).sum()),
+        trusted_decoder=g.reused > 0 and s.wanted != s.current,
+        skipped=skipped,
+        warnings=warnings,
+    )
+    return manifest, report
+
+
+def publish(s: Session, manifest: fmt.Manifest) -> None:
+    """Make ``manifest`` the cache's current version, then delete the previous generation."""
+    fmt.write_manifest(manifest)
+    if s.previous is not None:
+        fmt.remove_generation(s.folder, s.previous.manifest.generation)
+
+
+def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:
+    """Whether records of ``previous`` may be carried over: the same options and decoder."""
+    return previous is not None and all(
+        previous.manifest.fingerprints.get(k) == wanted[k] for k in ("options", "decoder")
+    )
+
+
+def _reusable(
+    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
+) -> dict[int, int]:
+    """New record -> old record, for files unchanged since a previous cache with equal options."""
+    if not _lends_records(previous, wanted):
+        return {}
+    old = previous.index
+    filled = previous.state["state"] == fmt.FILLED
+    by_path = {previous.path(j): j for j in range(len(old)) if filled[j]}
+    reuse = {}
+    for i, rel in enumerate(listing.paths):
+        j = by_path.get(rel)
+        if j is not None and (
+            int(old[j]["source_size"]) == int(listing.sizes[i])
+            and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
+        ):
+            reuse[i] = j
+    return reuse
+
+
+def _carry_skips(
+    previous: fmt.CacheFiles | None,
+    listing: Listing,
+    wanted: dict[str, str],
+    state: np.ndarray,
+    messages: dict[int, str],
+) -> None:
+    """Keep skipping files the previous build skipped, if they and the options are unchanged."""
+    if not _lends_records(previous, wanted):
+        return
+    stats = {
+        e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"])
+        for e in previous.manifest.skipped
+        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
+    }
+    for i, rel in enumerate(listing.paths):
+        old = stats.get(rel)
+        if old and (old[0], old[1]) == (int(listing.sizes[i]), int(listing.mtimes[i])):
+            state[i] = fmt.BAD_UNDECODABLE
+            messages[i] = old[2]
+
+
+def _copy_reused(
+    previous: fmt.CacheFiles | None,
+    reuse: dict[int, int],
+    layout: Layout,
+    data_path: Path,
+    crcs: np.ndarray,
+    state: np.ndarray,
+) -> int:
+    """Copy unchanged records' pixels from the previous data file; returns how many."""
+    if not reuse:
+        return 0
+    old = previous.index
+    src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
+    dst_fd = os.open(data_path, os.O_WRONLY)
+    try:
+        count = 0
+        for i, j in reuse.items():
+            shape = previous.shape(j)
+            if shape != tuple(int(v) for v in layout.shapes[i]):
+                continue  # the header now predicts another size: decode it again
+            nbytes = shape[0] * shape[1] * shape[2]
+            fmt.copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
+            crcs[i] = previous.state[j]["crc32"]
+            state[i] = fmt.FILLED
+            count += 1
+        return count
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+
+
+def _append_overflow(
+    data_path: Path,
+    overflow: dict[int, np.ndarray],
+    layout: Layout,
+    offsets: np.ndarray,
+    data_bytes: int,
+) -> int:
+    """Append records whose header did not predict their size after the planned region."""
+    fd = os.open(data_path, os.O_WRONLY)
+    try:
+        end = fmt.aligned(data_bytes)
+        for i in sorted(overflow):
+            pixels = overflow[i]
+            layout.shapes[i] = pixels.shape
+            offsets[i] = end
+            fmt.write_pixels(fd, pixels, end)
+            data_bytes = end + pixels.nbytes
+            end = fmt.aligned(data_bytes)
+    finally:
+        os.close(fd)
+    return data_bytes
