@@ -60,6 +60,7 @@ __all__ = [
     "Options",
     "OptionsChangedError",
     "QuasiRandomSampler",
+    "Records",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
@@ -82,6 +83,7 @@ _TORCH_PARTS = {
     "BatchLoader": "loader",
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
+    "Records": "dataset",
 }
 
 

@@ -1,5 +1,8 @@
-"""What the library tells its callers: the progress callback type, and numbers for messages
-(counts with their noun in the right number, byte sizes in units)."""
+"""What the library tells its callers while it works: the progress callback, numbers in words.
+
+Counts come with their noun in the right number ("1 image", "2 classes"), byte sizes in
+decimal units.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Writing a new generation of a cache: the session that holds the cache's lock, the records
-carried over from the previous generation, the outcomes of decoding, and the atomic publication.
+"""Writing a new generation of a cache, from the session that locks it to its publication.
 
 A build (single-process or distributed) runs these steps in order: ``session`` (scan the source,
 check and lock the destination, read the cache there), ``up_to_date_report`` (nothing to do?),
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
+from ._feedback import ProgressFn
 from ._layout import Layout, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked
@@ -71,44 +71,59 @@ class BuildReport:
         return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class BuildRequest:
+    """What a build is asked to do: the source, the cache folder, the options, and how.
+
+    ``lazy``: lay out a lazy cache (decode only the records of unknown size) instead of a build.
+    """
+
+    source: str | os.PathLike | Listing
+    cache: str | os.PathLike
+    options: Options
+    workers: int | None = None
+    strict: bool = False
+    progress: ProgressFn | None = None
+    force: bool = False
+    trust_decoder: bool = False
+    replace: bool = False
+    lazy: bool = False
+
+
 @dataclass
 class Session:
     """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
 
     ``current``: the fingerprints of what this build makes; ``wanted``: those the previous cache
-    must have to be current or to lend its records (``staleness.to_match``). ``lazy``: lay out
-    a lazy cache (decode only the records of unknown size) instead of building.
+    must have to be current or to lend its records (``staleness.to_match``).
     """
 
+    request: BuildRequest
     listing: Listing
     folder: Path
     previous: fmt.CacheFiles | None
     current: dict[str, str]
     wanted: dict[str, str]
-    lazy: bool = False
+
+    @property
+    def lazy(self) -> bool:
+        return self.request.lazy
 
 
 @contextmanager
-def session(
-    source: str | os.PathLike | Listing,
-    cache: str | os.PathLike,
-    opts: Options,
-    *,
-    trust_decoder: bool = False,
-    lazy: bool = False,
-    replace: bool = False,
-) -> Iterator[Session]:
+def session(request: BuildRequest) -> Iterator[Session]:
     """Scan the source, check the destination, and hold its writer lock while the build runs.
 
-    A cache there made with other options is refused unless ``replace``.
+    A cache there made with other options is refused unless ``request.replace``.
     """
+    source, opts = request.source, request.options
     listing = source if isinstance(source, Listing) else scan_source(source)
-    folder = Path(cache).expanduser().absolute()
+    folder = Path(request.cache).expanduser().absolute()
     created = fmt.prepare_folder(folder)
     try:
         with fmt.writer_lock(folder):
             previous = fmt.open_existing(folder)
-            if previous is not None and not replace:
+            if previous is not None and not request.replace:
                 refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
@@ -116,8 +131,8 @@ def session(
             current = fingerprints(listing, opts)
             wanted = current
             if previous is not None:
-                wanted = to_match(previous.manifest, current, trust_decoder)
-            yield Session(listing, folder, previous, current, wanted, lazy)
+                wanted = to_match(previous.manifest, current, request.trust_decoder)
+            yield Session(request, listing, folder, previous, current, wanted)
     except BaseException:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
@@ -224,13 +239,14 @@ class Generation:
                 self.overflow[i] = pixels
 
 
-def allocate(s: Session, opts: Options, force: bool) -> Generation:
+def allocate(s: Session) -> Generation:
     """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
     listing = s.listing
-    layout = plan_layout(listing, opts)
+    layout = plan_layout(listing, s.request.options)
     # Before anything is written: the whole new generation, while the old one stays on disk.
     kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
-    check_free_space(s.folder, disk_bytes(generation_sizes(kept, layout.data_bytes)), force)
+    needed = disk_bytes(generation_sizes(kept, layout.data_bytes))
+    check_free_space(s.folder, needed, s.request.force)
     n = len(listing)
     g = Generation(
         folder=s.folder,
@@ -278,11 +294,10 @@ def discarded_on_failure(g: Generation) -> Iterator[None]:
         raise
 
 
-def finish(
-    g: Generation, s: Session, opts: Options, strict: bool
-) -> tuple[fmt.Manifest, BuildReport]:
+def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     """Check strictness, place overflow records, write and flush the generation's files."""
     listing, layout, state = g.listing, g.layout, g.state
+    strict = s.request.strict
     # A lazy cache keeps its EMPTY records: filling them is the readers' job.
     kept = (state == fmt.FILLED) | ((state == fmt.EMPTY) if s.lazy else False)
     keep = np.flatnonzero(kept)
@@ -330,7 +345,7 @@ def finish(
         count=len(keep),
         mode="lazy" if s.lazy else "build",
         source=listing.source_json(),
-        options=opts.to_json(),
+        options=s.request.options.to_json(),
         classes=listing.classes,
         skipped=skipped,
         warnings=warnings,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 from . import _writer as writer
 from ._feedback import ProgressFn
@@ -39,13 +40,6 @@ def build_cache(
     source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     *,
-    size: tuple[int, int] | None = None,
-    max_side: int | None = None,
-    short_side: int | None = None,
-    interpolation: str = "auto",
-    color: str = "rgb",
-    max_pixels: int | None = None,
-    reduced_decode: bool = False,
     workers: int | None = None,
     strict: bool = False,
     progress: ProgressFn | None = None,
@@ -54,6 +48,7 @@ def build_cache(
     replace: bool = False,
     distributed: bool | None = None,
     dist_timeout: float = 1800.0,
+    **options: Any,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
 
@@ -65,14 +60,6 @@ def build_cache(
         source: an ImageFolder-style folder, a flat folder of images, or a ``path,label`` list
             (or its ``Listing``, from ``scan_source``).
         cache: the cache folder to create or update.
-        size: exact ``(width, height)``; or ``max_side`` / ``short_side`` to bound a side while
-            keeping the aspect ratio (never upscaling). Default: native size.
-        interpolation: ``"auto"`` (INTER_AREA to shrink), ``"area"``, ``"linear"``, ``"cubic"``,
-            ``"lanczos"`` or ``"nearest"``.
-        color: ``"rgb"``, ``"bgr"`` or ``"gray"``.
-        max_pixels: refuse larger images without decoding them (default: Pillow's bomb limit).
-        reduced_decode: decode JPEGs shrunk 2x or more at reduced scale: faster, but not the
-            exact reference pixels (see ``Options``).
         workers: decode processes (default: all cores); 0 decodes in this process, without
             the protection from decoder crashes (for debuggers and profilers).
         strict: fail, leaving no new cache, if any file cannot be decoded.
@@ -90,6 +77,12 @@ def build_cache(
             default) does so when a group of more than one process is initialised.
         dist_timeout: in a distributed build, seconds a rank waits for the others at each step
             (rank 0 planning, the slowest share) before the build fails.
+        **options: the preprocessing, fields of ``Options``: ``size=(width, height)``, or
+            ``max_side`` / ``short_side`` to bound a side keeping the aspect ratio (never
+            upscaling); ``interpolation`` (``"auto"``: INTER_AREA to shrink, ``"area"``,
+            ``"linear"``, ``"cubic"``, ``"lanczos"``, ``"nearest"``); ``color`` (``"rgb"``,
+            ``"bgr"``, ``"gray"``); ``max_pixels`` (refuse larger images without decoding
+            them; default Pillow's bomb limit); ``reduced_decode``. Default: native size, RGB.
 
     Example:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
@@ -100,35 +93,12 @@ def build_cache(
         OptionsChangedError: the cache there has other options, and ``replace`` is False.
         NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
         DistributedBuildError, DecodeWorkerError.
+        TypeError, ValueError: an unknown or invalid preprocessing option.
     """
-    opts = Options(
-        size=size,
-        max_side=max_side,
-        short_side=short_side,
-        interpolation=interpolation,
-        color=color,
-        max_pixels=max_pixels,
-        reduced_decode=reduced_decode,
-    )
-    if _in_process_group(distributed):
-        from .distributed import build_distributed
-
-        return build_distributed(
-            source,
-            cache,
-            opts,
-            workers=workers,
-            strict=strict,
-            progress=progress,
-            force=force,
-            trust_decoder=trust_decoder,
-            replace=replace,
-            timeout=dist_timeout,
-        )
-    return _build_here(
+    request = writer.BuildRequest(
         source,
         cache,
-        opts,
+        Options(**options),
         workers=workers,
         strict=strict,
         progress=progress,
@@ -136,23 +106,22 @@ def build_cache(
         trust_decoder=trust_decoder,
         replace=replace,
     )
+    if _in_process_group(distributed):
+        from .distributed import build_distributed
+
+        return build_distributed(request, timeout=dist_timeout)
+    return _build_here(request)
 
 
 def create_lazy_cache(
     source: str | os.PathLike | Listing,
     cache: str | os.PathLike,
     *,
-    size: tuple[int, int] | None = None,
-    max_side: int | None = None,
-    short_side: int | None = None,
-    interpolation: str = "auto",
-    color: str = "rgb",
-    max_pixels: int | None = None,
-    reduced_decode: bool = False,
     workers: int | None = None,
     progress: ProgressFn | None = None,
     force: bool = False,
     replace: bool = False,
+    **options: Any,
 ) -> BuildReport:
     """Create a lazy cache of ``source`` at once, without decoding: records fill on first read.
 
@@ -162,9 +131,8 @@ def create_lazy_cache(
     ``report.up_to_date``); one made from an older listing becomes a new lazy generation that
     carries over the filled records of unchanged files (``report.reused``); a cache of other
     options is replaced only with ``replace``. Files whose header cannot be read are decoded
-    now (``report.decoded``). Files
-    refused from their header (over ``max_pixels``) are left out, as a build leaves them.
-    Arguments are those of ``build_cache``.
+    now (``report.decoded``). Files refused from their header (over ``max_pixels``) are left
+    out, as a build leaves them. Arguments are those of ``build_cache``.
 
     Example:
         >>> report = create_lazy_cache("data/train", "cache/lazy", short_side=256)  # doctest: +SKIP
@@ -174,51 +142,31 @@ def create_lazy_cache(
         SourceError, OptionsChangedError, NotACacheError, DestinationError,
         InsufficientSpaceError.
     """
-    opts = Options(
-        size=size,
-        max_side=max_side,
-        short_side=short_side,
-        interpolation=interpolation,
-        color=color,
-        max_pixels=max_pixels,
-        reduced_decode=reduced_decode,
-    )
-    return _build_here(
-        source, cache, opts, lazy=True, workers=workers, progress=progress, force=force,
-        replace=replace,
+    request = writer.BuildRequest(
+        source, cache, Options(**options), workers=workers, progress=progress, force=force,
+        replace=replace, lazy=True,
     )  # fmt: skip
+    return _build_here(request)
 
 
-def _build_here(
-    source: str | os.PathLike | Listing,
-    cache: str | os.PathLike,
-    opts: Options,
-    *,
-    lazy: bool = False,
-    workers: int | None,
-    strict: bool = False,
-    progress: ProgressFn | None,
-    force: bool,
-    trust_decoder: bool = False,
-    replace: bool,
-) -> BuildReport:
-    """Build (or, ``lazy``, lay out) a new generation unless the cache is current already.
+def _build_here(request: writer.BuildRequest) -> BuildReport:
+    """Build (or, lazily, lay out) a new generation unless the cache is current already.
 
     The single-process path; ``mmcache.distributed`` runs the same steps with the decoding
     shared out among the ranks.
     """
     start = time.perf_counter()
-    with writer.session(
-        source, cache, opts, trust_decoder=trust_decoder, lazy=lazy, replace=replace
-    ) as s:
+    with writer.session(request) as s:
         report = writer.up_to_date_report(s)
         if report is None:
-            g = writer.allocate(s, opts, force)
+            g = writer.allocate(s)
             with writer.discarded_on_failure(g):
                 decoding = time.perf_counter()
-                g.record(decode_records(g.jobs(g.todo), g.data_path, opts, workers, progress))
+                jobs = g.jobs(g.todo)
+                g.record(decode_records(jobs, g.data_path, request.options, request.workers,
+                                        request.progress))  # fmt: skip
                 decode_seconds = time.perf_counter() - decoding
-                manifest, report = writer.finish(g, s, opts, strict)
+                manifest, report = writer.finish(g, s)
                 writer.publish(s, manifest)
             report.decode_seconds = decode_seconds
     report.seconds = time.perf_counter() - start

@@ -398,6 +398,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         bar.close()
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    print(f"generated the {count(report.images, 'image')} in {report.generate_seconds:.1f} s")
     _print_build(report.build, lambda s: print("build: " + s))
     print(f"pixels identical to decoding: {'yes' if report.pixels_equal else 'NO'}")
     decode = min(report.epochs["decode every epoch"])

@@ -19,7 +19,7 @@ import warnings
 import zlib
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,26 @@ ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")
 # What __getstate__ drops: each process maps and opens these itself, on first use.
 _PER_PROCESS = (
-    "_files", "_offsets", "_shapes", "_nbytes", "_labels", "_data", "_fd", "_states", "_codes",
+    "_files", "_records", "_offsets", "_shapes", "_labels", "_data", "_fd", "_states", "_codes",
     "_filler", "_warned", "_verified",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Records:
+    """A dataset's records as arrays, in record order (do not modify them).
+
+    Attributes:
+        offsets: each record's offset in the data file (int64).
+        shapes: each record's ``(height, width, channels)``, an (N, 3) int64 array.
+        nbytes: each record's size in the data file, height * width * channels (int64).
+        labels: each record's label (int64).
+    """
+
+    offsets: np.ndarray
+    shapes: np.ndarray
+    nbytes: np.ndarray
+    labels: np.ndarray
 
 
 class MemmapImageDataset(Dataset):
@@ -62,8 +79,9 @@ class MemmapImageDataset(Dataset):
     Lazy mode: given ``source`` (and the build's preprocessing options), a missing cache is
     created at once without decoding, and each record is decoded and stored the first time any
     process reads it; later reads, by any worker, epoch or run, come from the cache. A cache of
-    the same source and options (lazy or built) is opened as it is; other options replace it
-    with a new lazy cache; a changed source is handled as ``on_stale`` says.
+    the same source and options (lazy or built) is opened as it is; a cache of other options is
+    replaced by a new lazy cache only with ``replace``; a changed source is handled as
+    ``on_stale`` says.
 
     Args:
         cache: the cache folder, as made by ``build_cache`` / ``mmcache build``, or to be made.
@@ -78,9 +96,6 @@ class MemmapImageDataset(Dataset):
             keeping the filled records of unchanged files). A source that is not there (a copied
             cache) is not checked.
         source: the image folder or ``path,label`` list: enables lazy mode.
-        size, max_side, short_side, interpolation, color, max_pixels, reduced_decode: the
-            preprocessing, as for
-            ``build_cache``; only with ``source``.
         on_bad: a file that cannot be cached (undecodable, over ``max_pixels``, changed since it
             was listed, or decoding to another size than its header says): ``"raise"`` a
             ``DecodeError`` naming it, as ``ImageFolder`` raises on a corrupt file, or
@@ -89,7 +104,7 @@ class MemmapImageDataset(Dataset):
         verify: ``"first-read"`` checks each record's CRC-32 the first time this process reads
             it, and raises ``CacheFormatError`` naming the record if the pixels were damaged on
             disk; ``None`` (default) trusts the cache (``mmcache verify`` checks it whole).
-            Costs one CRC-32 per record per process (~3 GB/s), nothing on later reads; a record
+            Costs one CRC-32 per record per process, nothing on later reads; a record
             this process fills itself is not checked again.
         warm: read the cache into the page cache in a background thread of this process (not
             of DataLoader workers) while training starts: ``True`` within the default budget
@@ -97,6 +112,8 @@ class MemmapImageDataset(Dataset):
             ``wait_warm()`` waits for it and returns its ``WarmReport``.
         replace: in lazy mode, replace a cache made with other preprocessing options by a new
             lazy cache; without it such a cache raises ``OptionsChangedError``.
+        **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
+            ``build_cache``; a built cache keeps the options it was built with.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -120,17 +137,11 @@ class MemmapImageDataset(Dataset):
         on_stale: str = "warn",
         *,
         source: str | os.PathLike | None = None,
-        size: tuple[int, int] | None = None,
-        max_side: int | None = None,
-        short_side: int | None = None,
-        interpolation: str = "auto",
-        color: str = "rgb",
-        max_pixels: int | None = None,
-        reduced_decode: bool = False,
         on_bad: str = "raise",
         verify: str | None = None,
         warm: bool | str | int = False,
         replace: bool = False,
+        **options: Any,
     ) -> None:
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
@@ -138,26 +149,17 @@ class MemmapImageDataset(Dataset):
             raise ValueError(f"on_bad must be one of {', '.join(ON_BAD)}, got {on_bad!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be None or 'first-read', got {verify!r}")
-        options = Options(
-            size=size,
-            max_side=max_side,
-            short_side=short_side,
-            interpolation=interpolation,
-            color=color,
-            max_pixels=max_pixels,
-            reduced_decode=reduced_decode,
-        )
-        if source is None and options != Options():
+        if source is None and options:
             raise ValueError(
-                "preprocessing options apply only with source= (lazy mode); "
-                "a built cache keeps the options it was built with"
+                f"preprocessing options ({', '.join(options)}) apply only with source= (lazy "
+                "mode); a built cache keeps the options it was built with"
             )
         self.cache = Path(cache).expanduser().absolute()
         self.transform = transform
         self.target_transform = target_transform
         self.on_bad = on_bad
         self.verify = verify
-        files = self._open(source, options, on_stale, replace)
+        files = self._open(source, Options(**options), on_stale, replace)
         self.generation = files.manifest.generation
         self._attach(files)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
@@ -210,10 +212,18 @@ class MemmapImageDataset(Dataset):
         """Keep what ``__getitem__`` needs as plain arrays; the pixels are mapped on first read."""
         self._files = files
         index = files.index
-        self._offsets = index["offset"].astype(np.int64)
-        self._shapes = fmt.record_shapes(index)
-        self._nbytes = fmt.record_nbytes(index)
-        self._labels = index["label"].astype(np.int64)
+        self._records = Records(
+            offsets=index["offset"].astype(np.int64),
+            shapes=fmt.record_shapes(index),
+            nbytes=fmt.record_nbytes(index),
+            labels=index["label"].astype(np.int64),
+        )
+        # The arrays __getitem__ indexes, without an attribute lookup each.
+        self._offsets, self._shapes, self._labels = (
+            self._records.offsets,
+            self._records.shapes,
+            self._records.labels,
+        )
         self._data: np.ndarray | None = None
         self._fd = -1
         self._states: np.ndarray | None = None
@@ -224,12 +234,15 @@ class MemmapImageDataset(Dataset):
         # for 1.28M records); never pickled, so each worker checks what it reads itself.
         self._verified = np.zeros(len(index), bool) if self.verify else None
 
-    def _load(self) -> None:
-        """Open this dataset's generation in a new process (a spawned worker, an unpickled copy)."""
-        manifest = fmt.read_manifest(self.cache)
-        if manifest.generation != self.generation:
-            raise self._rebuilt(manifest.generation)
-        self._attach(fmt.read_cache_files(manifest))
+    def _loaded(self) -> fmt.CacheFiles:
+        """This dataset's generation, opened first in a new process (a spawned worker, an
+        unpickled copy)."""
+        if self._files is None:
+            manifest = fmt.read_manifest(self.cache)
+            if manifest.generation != self.generation:
+                raise self._rebuilt(manifest.generation)
+            self._attach(fmt.read_cache_files(manifest))
+        return self._files
 
     def _rebuilt(self, generation: str) -> CacheFormatError:
         return CacheFormatError(
@@ -238,8 +251,7 @@ class MemmapImageDataset(Dataset):
         )
 
     def _map(self) -> np.ndarray:
-        if self._files is None:
-            self._load()
+        self._loaded()
         if self._data is None:
             m = self._files.manifest
             nbytes, count = m.sizes["data"], m.count
@@ -290,8 +302,7 @@ class MemmapImageDataset(Dataset):
                 os.close(fd)
 
     def __len__(self) -> int:
-        if self._files is None:
-            self._load()
+        self._loaded()
         return len(self._offsets)
 
     def _pixels(self, i: int) -> np.ndarray | None:
@@ -420,9 +431,7 @@ class MemmapImageDataset(Dataset):
 
     @property
     def classes(self) -> list[str]:
-        if self._files is None:
-            self._load()
-        return list(self._files.manifest.classes)
+        return list(self._loaded().manifest.classes)
 
     @property
     def class_to_idx(self) -> dict[str, int]:
@@ -431,12 +440,9 @@ class MemmapImageDataset(Dataset):
     @property
     def samples(self) -> list[tuple[str, int]]:
         """``(source path, label)`` per image, as in ImageFolder (the source need not exist)."""
-        if self._files is None:
-            self._load()
-        root = self._files.manifest.source.get("root", "")
-        return [
-            (os.path.join(root, p), int(lab)) for p, lab in zip(self._files.paths(), self._labels)
-        ]
+        files = self._loaded()
+        root = files.manifest.source.get("root", "")
+        return [(os.path.join(root, p), int(lab)) for p, lab in zip(files.paths(), self._labels)]
 
     @property
     def imgs(self) -> list[tuple[str, int]]:
@@ -444,49 +450,24 @@ class MemmapImageDataset(Dataset):
 
     @property
     def targets(self) -> list[int]:
-        if self._files is None:
-            self._load()
+        self._loaded()
         return self._labels.tolist()
 
     @property
     def manifest(self) -> fmt.Manifest:
-        if self._files is None:
-            self._load()
-        return self._files.manifest
+        return self._loaded().manifest
 
     # The reading surface: what BatchLoader and QuasiRandomSampler read records with ---------
 
     @property
-    def offsets(self) -> np.ndarray:
-        """Each record's offset in the data file (int64; read-only, do not modify).
+    def records(self) -> Records:
+        """The records' offsets, shapes, sizes and labels as arrays (see ``Records``).
 
-        With ``shapes``, ``record_bytes``, ``labels``, ``data_path``, ``filled``, ``mapping`` and
-        ``read_into``, the reading surface for loaders and samplers that read records themselves.
+        With ``data_path``, ``filled``, ``mapping`` and ``read_into``, the reading surface for
+        loaders and samplers that read records themselves.
         """
-        if self._files is None:
-            self._load()
-        return self._offsets
-
-    @property
-    def shapes(self) -> np.ndarray:
-        """Each record's ``(height, width, channels)``, an (N, 3) int64 array."""
-        if self._files is None:
-            self._load()
-        return self._shapes
-
-    @property
-    def record_bytes(self) -> np.ndarray:
-        """Each record's size in the data file (int64): height * width * channels."""
-        if self._files is None:
-            self._load()
-        return self._nbytes
-
-    @property
-    def labels(self) -> np.ndarray:
-        """Each record's label, an int64 array (``targets`` as a list)."""
-        if self._files is None:
-            self._load()
-        return self._labels
+        self._loaded()
+        return self._records
 
     @property
     def data_path(self) -> Path:

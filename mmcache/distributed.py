@@ -31,6 +31,7 @@ import re
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -43,34 +44,20 @@ from ._workers import Result, decode_records
 from ._writer import BuildReport
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
-from .scan import Listing
 
 __all__ = ["balanced_shares", "build_distributed", "torchrun_process_group"]
 
 _NOTHING_PUBLISHED = "nothing was published; the previous cache, if any, is intact"
 
 
-def build_distributed(
-    source: str | os.PathLike | Listing,
-    cache: str | os.PathLike,
-    opts: Options,
-    *,
-    workers: int | None = None,
-    strict: bool = False,
-    progress: ProgressFn | None = None,
-    force: bool = False,
-    trust_decoder: bool = False,
-    replace: bool = False,
-    timeout: float = 1800.0,
-) -> BuildReport:
+def build_distributed(request: writer.BuildRequest, *, timeout: float = 1800.0) -> BuildReport:
     """Build a cache with every rank of the default process group (``build_cache`` calls this).
 
     Args:
-        source, cache, strict, force, trust_decoder, replace: as for ``build_cache``.
-        opts: the preprocessing options.
-        workers: decode processes on this rank (default: this node's cores divided by its
-            ranks, ``LOCAL_WORLD_SIZE``, so that several ranks on one node share its cores).
-        progress: called as ``progress(done, total)`` for this rank's share.
+        request: what ``build_cache`` was asked, the same on every rank; its ``workers`` are
+            this rank's decode processes (default: this node's cores divided by its ranks,
+            ``LOCAL_WORLD_SIZE``, so that several ranks on one node share its cores), its
+            ``progress`` is called for this rank's share.
         timeout: seconds a rank waits for the others at each step before the build fails.
 
     Example:
@@ -82,18 +69,15 @@ def build_distributed(
         DistributedBuildError: a rank failed, died or timed out; and every error a
             single-process build raises, on every rank.
     """
-    if workers is None:
+    if request.workers is None:
         per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        workers = max(1, (os.cpu_count() or 1) // per_node)
+        request = replace(request, workers=max(1, (os.cpu_count() or 1) // per_node))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     channel = _Channel(group, dist.get_rank(), dist.get_world_size())
     try:
         if channel.rank == 0:
-            return _lead(
-                channel, source, cache, opts, workers, progress, strict, force, trust_decoder,
-                replace,
-            )  # fmt: skip
-        return _follow(channel, workers, progress)
+            return _lead(channel, request)
+        return _follow(channel, request.workers, request.progress)
     finally:
         if not channel.broken:
             dist.destroy_process_group(group)
@@ -200,24 +184,13 @@ class _Channel:
         self.broadcast(("error", error))
 
 
-def _lead(
-    channel: _Channel,
-    source: str | os.PathLike | Listing,
-    cache: str | os.PathLike,
-    opts: Options,
-    workers: int,
-    progress: ProgressFn | None,
-    strict: bool,
-    force: bool,
-    trust_decoder: bool,
-    replace: bool,
-) -> BuildReport:
+def _lead(channel: _Channel, request: writer.BuildRequest) -> BuildReport:
     start = time.perf_counter()
     try:
-        with writer.session(source, cache, opts, trust_decoder=trust_decoder, replace=replace) as s:
+        with writer.session(request) as s:
             report = writer.up_to_date_report(s)
             if report is None:
-                report = _lead_build(channel, s, opts, workers, progress, strict, force)
+                report = _lead_build(channel, s)
         if channel.step == 0:
             channel.scatter([("stop", None)] * channel.world)
         report.seconds = time.perf_counter() - start
@@ -228,23 +201,19 @@ def _lead(
     return report
 
 
-def _lead_build(
-    channel: _Channel,
-    s: writer.Session,
-    opts: Options,
-    workers: int,
-    progress: ProgressFn | None,
-    strict: bool,
-    force: bool,
-) -> BuildReport:
-    g = writer.allocate(s, opts, force)
+def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
+    request = s.request
+    g = writer.allocate(s)
     with writer.discarded_on_failure(g):
         shares = balanced_shares(np.asarray(g.todo, np.int64), g.layout.pixels, channel.world)
         decoding = time.perf_counter()
+        options = request.options.to_json()
         share = channel.scatter(
-            [("go", (str(g.data_path), opts.to_json(), g.jobs(part))) for part in shares]
+            [("go", (str(g.data_path), options, g.jobs(part))) for part in shares]
         )
-        replies = channel.gather(_decode_share(share[1], channel.rank, workers, progress))
+        replies = channel.gather(
+            _decode_share(share[1], channel.rank, request.workers, request.progress)
+        )
         decode_seconds = time.perf_counter() - decoding  # the slowest share: every rank's
         failures = [message for kind, message in replies if kind == "error"]
         if failures:
@@ -256,7 +225,7 @@ def _lead_build(
                     f"{len(part)} records; {_NOTHING_PUBLISHED}"
                 )
             g.record(_unpack(packed))
-        manifest, report = writer.finish(g, s, opts, strict)
+        manifest, report = writer.finish(g, s)
         writer.publish(s, manifest)
     report.decode_seconds = decode_seconds
     return report

@@ -1,18 +1,16 @@
 """The fast batch path: ``BatchLoader`` gathers batches from a cache into reused buffers.
 
 A DataLoader worker copies each batch into a fresh shared-memory segment that the main process
-maps, and that segment costs far more than the copy: on a 2-core VM, 64 records of 720x480x3
-(66 MB) take ~9 ms to copy into a reused buffer, while torch's ``fallocate`` of a new segment
-(~50 ms), the page faults writing it, and the ``munmap`` that frees it (~35 ms) bring a batch
-to ~85 ms of CPU. ``BatchLoader`` skips all of that: threads of the consuming process copy
-records straight from the memory-mapped cache into a small ring of preallocated buffers (numpy
-releases the GIL during large copies), so a batch costs one memory copy and no allocation.
+maps, and that segment (its allocation, the page faults writing it, the ``munmap`` that frees
+it) costs far more than the copy of the pixels. ``BatchLoader`` skips all of that: threads of
+the consuming process copy records straight from the memory-mapped cache into a small ring of
+preallocated buffers (numpy releases the GIL during large copies), so a batch costs one memory
+copy and no allocation.
 
 When the cache does not fit in RAM the threads read with ``pread`` instead of copying from the
 mapping: under memory pressure every page fault on a mapping also pays for reclaiming mapped
-pages, and a random order over a 2 GB cache of 224x224 records with a 1 GB page-cache allowance
-ran at 303 img/s mapped against 3,813 img/s with ``pread`` (tools/larger_than_ram.py). In RAM
-the mapping is faster (12,003 against 10,162 img/s with 2 threads, tools/loader_bench.py).
+pages, which made a mapped random order many times slower than ``pread``. In RAM the mapping is
+faster. docs/loader.md gives both measurements and their commands.
 """
 
 from __future__ import annotations
@@ -217,7 +215,7 @@ class BatchLoader:
 
 def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
     """The (H, W, C) every record shares, or MixedShapesError naming the shapes found."""
-    shapes = dataset.shapes
+    shapes = dataset.records.shapes
     if len(shapes) == 0:
         return (0, 0, 0)
     distinct, counts = np.unique(shapes, axis=0, return_counts=True)
@@ -390,11 +388,12 @@ def _fill(job: _Job, slot: int, idx: np.ndarray, shared: _Shared) -> int | None:
     n = len(idx)
     flat = job.images[slot].numpy().reshape(job.images.shape[1], -1)
     nbytes = flat.shape[1]
-    np.take(ds.labels, idx, out=job.labels[slot, :n].numpy())
+    records = ds.records
+    np.take(records.labels, idx, out=job.labels[slot, :n].numpy())
     filled = ds.filled(idx)
-    offsets = ds.offsets[idx].tolist()
-    # One slice copy per record: measured fastest for 1 MB records (9,800 img/s against 2,800
-    # for np.take over a strided 2-D view), and each copy releases the GIL.
+    offsets = records.offsets[idx].tolist()
+    # One slice copy per record, each releasing the GIL (np.take over a strided 2-D view of
+    # the mapping was slower for records of a megabyte).
     for j, off in enumerate(offsets):
         if shared.stop:
             return None

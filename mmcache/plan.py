@@ -3,8 +3,8 @@
 Decoded pixels are far larger than the files they come from (a 100 KB JPEG of 500x375 is 562 KB
 of RGB), so ``plan_cache`` tells, before anything is decoded, how many bytes a cache would take,
 whether the destination has them and how much of the cache the page cache could hold. It reads
-only file headers (``mmcache.probe``, ~15 us a file) and lays the records out with the build's
-own code, so its figure for the data file is the byte count the build will write.
+only file headers (``mmcache.probe``, a few kilobytes a file) and lays the records out with the
+build's own code, so its figure for the data file is the byte count the build will write.
 """
 
 from __future__ import annotations

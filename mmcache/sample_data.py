@@ -6,14 +6,14 @@ white noise 310 KB, and real photographs lie in between, around 80-200 KB. So th
 built the way photographs look at every scale: smooth illumination gradients and a vignette, a
 background of a few colour bands, a few large shaded shapes with soft or sharp edges,
 mid-frequency 1/f-like texture whose strength differs from region to region (sky next to
-foliage), and a fine sensor-like grain. At 720x480, quality 90, they come out at 90-140 KB for
-80 % of images (median ~118 KB). Each class has its own dominant hue and a favourite kind of
-shape, so that a small CNN trained on the folder has something to learn.
+foliage), and a fine sensor-like grain, so that their JPEGs come out as large as photographs
+(tests/test_sample_data.py checks the range). Each class has its own dominant hue and a
+favourite kind of shape, so that a small CNN trained on the folder has something to learn.
 
-Generating is fast, ~4 ms an image at 720x480 on two cores (2000 in ~8 s): the noise textures
-are made once per call and each image takes random crops and flips of them, the scene is drawn
-at half resolution, only a few OpenCV passes into preallocated buffers run at full resolution,
-and the JPEG encoder (~1.3 ms an image) runs in a second thread.
+Generating is fast (the demo prints how long it took): the noise textures are made once per
+call and each image takes random crops and flips of them, the scene is drawn at half
+resolution, only a few OpenCV passes into preallocated buffers run at full resolution, and the
+JPEG encoder runs in a second thread.
 """
 
 from __future__ import annotations
@@ -101,9 +101,8 @@ class _Canvas:
     """Everything reused from image to image at one size: noise textures and work buffers.
 
     The textures are cropped at random offsets (and flipped) for every image. The buffers are
-    there because allocating fresh full-size arrays costs more than the arithmetic done in them:
-    at 720x480 the full-resolution passes take 8 ms with new arrays (page faults on every fresh
-    multi-MB block) and 0.7 ms writing into these.
+    there because allocating fresh full-size arrays costs more than the arithmetic done in them
+    (page faults on every fresh multi-MB block).
 
     Attributes:
         width: Output width.
@@ -143,7 +142,7 @@ class _Canvas:
 
     @classmethod
     def create(cls, rng: np.random.Generator, width: int, height: int) -> _Canvas:
-        """Make the textures (~20 ms at 720x480, ~1 s at 4000x3000) and buffers for a size."""
+        """Make the textures and buffers for a size (the slow part: once per size)."""
         th, tw = height + _margin(height), width + _margin(width)
         mid = _octave_noise(rng, th, tw, _MID_OCTAVES)
         grain = rng.standard_normal((th, tw), dtype=np.float32)
@@ -251,8 +250,8 @@ def _shape_mask(
 ) -> np.ndarray:
     """A width x height float32 mask, 1 inside a shape of kind at (cx, cy), edge blurred by sigma.
 
-    A wide blur is done by drawing at a lower resolution, blurring there by ~2 px and upsampling:
-    a direct GaussianBlur with sigma 16 costs ~1.9 ms on a 200x200 mask, this ~0.07 ms.
+    A wide blur is done by drawing at a lower resolution, blurring there by ~2 px and upsampling,
+    far cheaper than a direct GaussianBlur of a large sigma.
     """
     if sigma <= 0.3:
         mask = np.zeros((height, width), np.float32)
@@ -364,8 +363,8 @@ def make_photo(
 ) -> np.ndarray:
     """Make one photo-like image.
 
-    Builds its own noise textures each call (~20 ms at 720x480, 10x the cost of the image
-    itself), so for many images use :func:`make_image_folder`, which builds them once.
+    Builds its own noise textures each call (several times the cost of the image itself), so
+    for many images use :func:`make_image_folder`, which builds them once.
 
     Args:
         rng: Source of randomness; the image is a function of its state.

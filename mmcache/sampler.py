@@ -97,14 +97,10 @@ class QuasiRandomSampler(Sampler[int]):
             block_size = _default_block_size(self.n, self._layout)
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        self.block_size = block_size
-        self.seed = seed
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.buffer_blocks = buffer_blocks
-        self.drop_last = drop_last
+        self.block_size, self.buffer_blocks = block_size, buffer_blocks
+        self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
+        self.seed, self.epoch = seed, 0
         self.prefetch = prefetch
-        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` (call before each epoch; every rank with the same one)."""
@@ -168,7 +164,8 @@ def _layout(data_source: Sized) -> tuple[str, np.ndarray, np.ndarray] | None:
     """(data file, record offsets, record byte sizes) of a MemmapImageDataset, else None."""
     if not isinstance(data_source, MemmapImageDataset):
         return None
-    return str(data_source.data_path), data_source.offsets, data_source.record_bytes
+    records = data_source.records
+    return str(data_source.data_path), records.offsets, records.nbytes
 
 
 def _default_block_size(n: int, layout: tuple[str, np.ndarray, np.ndarray] | None) -> int:

@@ -389,7 +389,7 @@ def test_a_header_that_disagrees_with_the_decoded_size_is_marked_bad(src, tmp_pa
     monkeypatch.setattr(mmcache._layout, "probe_size", lying)
     cache = tmp_path / "cache"
     ds = MemmapImageDataset(cache, source=src)
-    assert tuple(ds.shapes[4]) == (40, 30, 3)  # the header's claim; the image is 30 x 40
+    assert tuple(ds.records.shapes[4]) == (40, 30, 3)  # the header's claim; the image is 30 x 40
     with pytest.raises(DecodeError, match="header disagrees"):
         ds[4]
     assert _codes(cache)[4] == fmt.BAD_HEADER_MISMATCH

@@ -1,0 +1,131 @@
+"""The shape of the package: one module per concept, imports that run one way, no module
+reaching into another's private names, torch only where the torch parts live."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mmcache"
+MODULES = {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
+
+
+def _tree(name: str) -> ast.Module:
+    return ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+
+
+def _imports(name: str) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every relative import, at any depth."""
+    found = []
+    for node in ast.walk(_tree(name)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:  # from .x import a, b
+                found.append((node.module.split(".")[0], [a.name for a in node.names], node.lineno))
+            else:  # from . import x as y
+                found += [(a.name, [], node.lineno) for a in node.names]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    offences = [
+        f"mmcache/{name}.py:{line}: {taken} from .{module}"
+        for name in MODULES
+        for module, names, line in _imports(name)
+        for taken in names
+        if taken.startswith("_") and not taken.startswith("__")
+    ]
+    assert offences == []
+
+
+def _defined_privates(tree: ast.Module) -> set[str]:
+    """Underscored names a module defines: functions, classes, attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def test_no_module_reaches_into_another_s_private_attributes():
+    offences = []
+    for name in MODULES:
+        tree = _tree(name)
+        own = _defined_privates(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in own
+            ):
+                offences.append(f"mmcache/{name}.py:{node.lineno}: .{node.attr}")
+    # A library's own private API is the exception: torch's, multiprocessing's.
+    allowed = {".fields", "._shutdown_workers"}
+    assert [o for o in offences if o.rsplit(": ", 1)[1] not in allowed] == []
+
+
+def test_imports_have_no_cycle():
+    graph = {name: {m for m, _, _ in _imports(name) if m in MODULES} for name in MODULES}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in graph[node]:
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for name in MODULES:
+        if name not in done:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_every_module_opens_with_a_one_line_docstring_of_its_job():
+    missing = []
+    for name in MODULES:
+        doc = ast.get_docstring(_tree(name))
+        if not doc or len(doc.splitlines()[0]) > 100 or not doc.splitlines()[0].endswith("."):
+            missing.append(name)
+    assert missing == []
+
+
+def test_the_format_build_and_decode_parts_import_without_torch():
+    code = (
+        "import sys, mmcache, mmcache.build, mmcache.format, mmcache.plan, mmcache.verify, "
+        "mmcache.residency, mmcache.copying, mmcache.cli; "
+        "print('torch' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+def test_no_issue_numbers_in_code_output_or_docs():
+    places = [*PACKAGE.glob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    places.append(ROOT / "README.md")
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    found = [
+        f"{p.relative_to(ROOT)}:{k}"
+        for p in places
+        for k, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
+
+
+def test_the_readme_layout_table_lists_every_module():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout of this repository") :]
+    listed = set(re.findall(r"`mmcache/(\w+)\.py`", layout))
+    assert listed == set(MODULES) - {"__init__", "__main__", "_version"}
