@@ -5,8 +5,8 @@ Example:
     >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
     >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP
 
-The format, build and decode parts import without torch; ``MemmapImageDataset`` and
-``BatchLoader`` import torch when first used.
+The format, build and decode parts import without torch; ``MemmapImageDataset``,
+``BatchLoader``, the samplers and the crops import torch when first used.
 """
 
 from ._version import __version__
@@ -41,6 +41,8 @@ __all__ = [
     "BadRecord",
     "BatchLoader",
     "BadImageWarning",
+    "CenterCrop",
+    "Compose",
     "BuildReport",
     "CachePlan",
     "CacheInfo",
@@ -60,6 +62,8 @@ __all__ = [
     "Options",
     "OptionsChangedError",
     "QuasiRandomSampler",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
     "Records",
     "SourceError",
     "StaleCacheWarning",
@@ -84,6 +88,10 @@ _TORCH_PARTS = {
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
     "Records": "dataset",
+    "CenterCrop": "transforms",
+    "Compose": "transforms",
+    "RandomHorizontalFlip": "transforms",
+    "RandomResizedCrop": "transforms",
 }
 
 

@@ -330,15 +330,16 @@ class MemmapImageDataset(Dataset):
             self._verify(i, img)
         return img
 
-    def read_into(self, i: int, out: np.ndarray) -> None:
-        """Read the stored bytes of FILLED record ``i`` into ``out`` (a writable buffer of its
-        size) with one ``pread``: part of the reading surface (see ``offsets``).
+    def read_into(self, i: int, out: np.ndarray, start: int = 0) -> None:
+        """Read ``out.nbytes`` stored bytes of FILLED record ``i``, from byte ``start`` of the
+        record on (a crop's rows, say), into the writable buffer ``out`` with one ``pread``:
+        part of the reading surface (see ``records``).
 
         Raises:
             CacheFormatError: the data file was truncated after the dataset opened it.
         """
         self._map()
-        if os.preadv(self._fd, [out], int(self._offsets[i])) != out.nbytes:
+        if os.preadv(self._fd, [out], int(self._offsets[i]) + start) != out.nbytes:
             raise CacheFormatError(
                 f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
                 "truncated after the cache was opened; rebuild the cache"

@@ -4,8 +4,14 @@ A DataLoader worker copies each batch into a fresh shared-memory segment that th
 maps, and that segment (its allocation, the page faults writing it, the ``munmap`` that frees
 it) costs far more than the copy of the pixels. ``BatchLoader`` skips all of that: threads of
 the consuming process copy records straight from the memory-mapped cache into a small ring of
-preallocated buffers (numpy releases the GIL during large copies), so a batch costs one memory
-copy and no allocation.
+preallocated buffers (numpy and OpenCV release the GIL during large copies and resizes), so a
+batch costs one memory copy, or one resize per image with ``crop``, and no allocation.
+
+With ``crop`` (``mmcache.RandomResizedCrop`` or ``CenterCrop``) records of any mix of shapes
+batch together: each thread takes a view of the record's box in the mapping (no copy of the
+record) and resizes it straight into its slot. Boxes and flips are a function of the seed, the
+epoch, the rank and each sample's position in the epoch, so the same seed gives the same batches
+whatever the thread count, and ``state_dict`` / ``load_state_dict`` resume an epoch mid-way.
 
 When the cache does not fit in RAM the threads read with ``pread`` instead of copying from the
 mapping: under memory pressure every page fault on a mapping also pays for reclaiming mapped
@@ -15,12 +21,14 @@ faster. docs/loader.md gives both measurements and their commands.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 
@@ -28,17 +36,25 @@ from ._feedback import count
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError
 from .residency import memory
+from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
 
+# Uniform numbers for boxes and flips come in blocks of this many positions, each block from
+# its own generator keyed by (seed, epoch, rank, block): any batch is drawn without drawing the
+# epoch before it, whatever the batch size or thread count.
+DRAW_BLOCK = 1024
+STATE_VERSION = 1
+
 
 class BatchLoader:
-    """Batches of ``(images, labels)`` from a cache whose records all share one shape.
+    """Batches of ``(images, labels)`` from a cache, gathered by threads into reused buffers.
 
-    ``images`` is a uint8 tensor N x H x W x C (the stored pixels, no transform), ``labels`` an
-    int64 tensor N. Background threads copy records from the memory-mapped cache into a ring of
-    ``prefetch + 1`` preallocated batch buffers (pinned if ``pin_memory``); nothing is allocated
-    per batch and nothing crosses a process boundary.
+    ``images`` is a uint8 tensor N x H x W x C (the stored pixels, or with ``crop`` the crops
+    resized to ``crop.size``), ``labels`` an int64 tensor N. With ``normalize`` the images are
+    floats N x C x H x W instead: ``(x / 255 - mean) / std``, of ``dtype``. Background threads
+    fill a ring of ``prefetch + 1`` preallocated batch buffers (pinned if ``pin_memory``);
+    nothing is allocated per batch on the CPU and nothing crosses a process boundary.
 
     Buffer contract (CPU batches, ``device`` None or CPU): a yielded batch is a view of a ring
     buffer and stays valid until you ask for the next batch (the next ``next()`` call, i.e. the
@@ -47,47 +63,61 @@ class BatchLoader:
     yourself (the copy may outlive the buffer's turn): pass ``device``. With a CUDA ``device``,
     each batch is a new device tensor (from torch's caching allocator, so no real allocation)
     that stays valid as long as you hold it; the copy to the device runs on a side stream,
-    asynchronously from pinned buffers, and the batch is ordered before any work you queue on
-    the current stream.
+    asynchronously from pinned buffers, then normalisation runs there, and the batch is ordered
+    before any work you queue on the current stream.
 
     Ending an iteration early (``break``, an exception, dropping the iterator) stops and joins
     its threads. An error raised in a thread (a record not in the cache, say) is raised from
     the ``next()`` that would have returned the batch it was filling, after the batches before
-    it; the iteration is then over.
-    Starting a new iteration ends the previous one of the same loader (they share the buffers).
+    it; the iteration is then over. Starting a new iteration of a loader ends its previous one
+    (they share the buffers).
 
     Args:
         dataset: an opened cache. Its ``transform`` and ``target_transform`` must be None:
-            transform the batch instead (on the GPU, typically).
+            crop with ``crop``, transform the batches (on the GPU, typically).
         batch_size: records per batch.
         shuffle: a new random order each epoch (see ``seed``, ``set_epoch``).
         sampler: any iterable of record indices (``RandomSampler``, ``DistributedSampler``,
-            ...); with a sampler, ``shuffle`` must be False, as in ``DataLoader``.
+            ``QuasiRandomSampler``...); with a sampler, ``shuffle`` must be False, as in
+            ``DataLoader``.
         drop_last: drop the last batch if it is smaller than ``batch_size``.
         pin_memory: page-lock the buffers (needs CUDA; without it, ordinary memory is used
             and a warning says so).
         device: ``None``/``"cpu"``, or a CUDA device to copy batches to asynchronously.
-        num_threads: copying threads; 2 saturate memory bandwidth on most machines.
+        num_threads: filling threads; 2 saturate memory bandwidth on most machines.
         prefetch: batches prepared ahead of the one you hold.
-        seed: with ``shuffle``, the order of epoch ``e`` is a function of ``(seed, e)``; None
-            draws a fresh order every iteration.
+        seed: the epoch's order and every sample's box and flip are functions of ``(seed,
+            epoch)`` and its position; None draws a fresh seed for every iteration (recorded in
+            ``state_dict``, so a resumed iteration still matches).
         read: how records leave the page cache: ``"mmap"`` copies them out of a memory map
             (fastest when the cache fits in RAM), ``"pread"`` reads them with ``pread`` (much
             faster when it does not, and a data file truncated under the loader is a
             ``CacheFormatError`` rather than a SIGBUS); ``"auto"`` picks ``"mmap"`` when the
             data file fits in the RAM available now (a memory cgroup's limit counts), at the
             start of each iteration.
+        crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterCrop``: every record, of any
+            shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
+            change the output size (progressive resizing); the buffers follow.
+        flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
+        normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
+            ``((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``): the batches become floats
+            N x C x H x W, normalised on the ``device``.
+        dtype: the float type of normalised batches (default ``torch.float32``).
+        channels_last: with ``normalize``, give the batches torch's ``channels_last`` memory
+            format (the layout the pixels already have; no copy); without, give the uint8
+            images as an N x C x H x W view of that layout.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
-        >>> loader = BatchLoader(ds, batch_size=256, shuffle=True, seed=0)  # doctest: +SKIP
+        >>> loader = BatchLoader(ds, 256, shuffle=True, seed=0, crop=RandomResizedCrop(224),
+        ...                      flip=True, device="cuda", normalize=IMAGENET)  # doctest: +SKIP
         >>> for epoch in range(10):  # doctest: +SKIP
         ...     loader.set_epoch(epoch)
         ...     for images, labels in loader:
-        ...         train_step(images.cuda().permute(0, 3, 1, 2).float() / 255, labels.cuda())
+        ...         train_step(images, labels.cuda())
 
     Raises:
-        MixedShapesError: the records do not all have one shape (the message lists the shapes).
+        MixedShapesError: without ``crop``, records that do not all share one shape.
         ValueError: bad arguments (``shuffle`` with ``sampler``, a dataset with a transform,
             an unknown ``read``).
     """
@@ -105,6 +135,12 @@ class BatchLoader:
         prefetch: int = 2,
         seed: int | None = None,
         read: str = "auto",
+        *,
+        crop: Any = None,
+        flip: bool = False,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        dtype: torch.dtype | None = None,
+        channels_last: bool = False,
     ) -> None:
         if read not in ("auto", "mmap", "pread"):
             raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
@@ -118,17 +154,16 @@ class BatchLoader:
         if dataset.transform is not None or dataset.target_transform is not None:
             raise ValueError(
                 "BatchLoader yields the stored pixels and labels: open the dataset without "
-                "transform/target_transform and transform the batches instead"
+                "transform/target_transform; crop with crop=, and transform the batches"
             )
+        if crop is not None and not all(hasattr(crop, a) for a in ("boxes", "size", "draws")):
+            raise ValueError(f"crop must be mmcache.RandomResizedCrop or CenterCrop, got {crop!r}")
         self.dataset = dataset
         self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.sampler = sampler
-        self.drop_last = drop_last
-        self.num_threads = num_threads
-        self.prefetch = prefetch
-        self.seed = seed
-        self.read = read
+        self.shuffle, self.sampler, self.seed = shuffle, sampler, seed
+        self.drop_last, self.read = drop_last, read
+        self.num_threads, self.prefetch = num_threads, prefetch
+        self.crop, self.flip = crop, flip
         self.epoch = 0
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type not in ("cpu", "cuda"):
@@ -146,17 +181,97 @@ class BatchLoader:
             )
             pin_memory = False
         self.pin_memory = pin_memory
-        self.shape = _one_shape(dataset)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        channels = _channels(dataset)
+        self.normalize = None if normalize is None else _Normalize(normalize, channels, dtype)
+        self.channels_last = channels_last
+        self._record_shape = None if crop is not None else _one_shape(dataset)
+        self._ring: _Ring | None = None
         self._live: weakref.ref | None = None
+        self._iteration_seed: int | None = None  # the seed of the last or live iteration
+        self._start = 0  # batches of the epoch the next iteration skips (a resumed epoch)
+        self._done = 0  # batches of this epoch handed out
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The (H, W, C) of every image of the batches (before ``normalize``)."""
+        if self.crop is None:
+            return self._record_shape
+        return (*self.crop.size, _channels(self.dataset))
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order next (and forward it to the sampler, if it has one)."""
+        """Use epoch ``epoch``'s order, boxes and flips next (and forward it to the sampler)."""
         self.epoch = epoch
+        self._start = self._done = 0
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
-    def _indices(self) -> np.ndarray:
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is in its epoch, as plain JSON-serialisable data.
+
+        A loader (made with the same dataset and arguments) given it by ``load_state_dict``
+        goes on from the next batch: the same indices and, with the same ``crop``, the same
+        pixels. Save it with the model's checkpoint.
+        """
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches": self._done,
+            "batch_size": self.batch_size,
+            "seed": self.seed if self.seed is not None else self._iteration_seed,
+            "size": list(self.crop.size) if self.crop is not None else None,
+            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration resume where the loader that gave ``state`` stopped.
+
+        Raises:
+            ValueError: ``state`` is not a BatchLoader's, or is of another batch size.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a BatchLoader state (version {STATE_VERSION}): {state!r}")
+        if state["batch_size"] != self.batch_size:
+            raise ValueError(
+                f"the state is of batch size {state['batch_size']}, this loader's is "
+                f"{self.batch_size}: its batches would not be the same"
+            )
+        self.set_epoch(int(state["epoch"]))
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        if self.seed is None:
+            self._iteration_seed = state["seed"]
+        if state.get("size") is not None and self.crop is not None:
+            self.crop.size = tuple(state["size"])
+        self._start = self._done = int(state["batches"])
+
+    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """What batch ``batch`` of the current epoch holds: its record indices, each one's crop
+        box ``(top, left, height, width)`` (None without ``crop``) and whether it is flipped
+        (None without ``flip``), as the threads compute them. For checking and debugging; it
+        runs the sampler, if any, once more.
+
+        The current epoch's seed is the loader's ``seed``, or with None that of its last
+        iteration.
+        """
+        seed = self.seed if self.seed is not None else self._iteration_seed
+        if seed is None:
+            raise ValueError("plan(): seed=None and no iteration has drawn a seed yet")
+        first = batch * self.batch_size
+        idx = self._order(seed)[first : first + self.batch_size]
+        shapes = self.dataset.records.shapes[idx]
+        boxes, flips = _draw(self.crop, self.flip, (seed, self.epoch, self._rank()), shapes,
+                             first, _Scratch())  # fmt: skip
+        return idx, boxes, flips
+
+    def _rank(self) -> int:
+        """This process's rank, which the draws of boxes and flips depend on, as its sampler's."""
+        rank = getattr(self.sampler, "rank", None)
+        if rank is None:
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return int(rank)
+
+    def _order(self, seed: int) -> np.ndarray:
         n = len(self.dataset)
         if self.sampler is not None:
             order = np.fromiter((int(i) for i in self.sampler), np.int64)
@@ -165,11 +280,13 @@ class BatchLoader:
                 raise IndexError(
                     f"sampler gave index {int(order[bad][0])}, outside 0..{n - 1} for {n} images"
                 )
-            return order
-        if self.shuffle:
-            rng = np.random.default_rng(None if self.seed is None else [self.seed, self.epoch])
-            return rng.permutation(n)
-        return np.arange(n, dtype=np.int64)
+        elif self.shuffle:
+            order = np.random.default_rng([seed, self.epoch]).permutation(n)
+        else:
+            order = np.arange(n, dtype=np.int64)
+        if self.drop_last:
+            order = order[: self._num_batches(len(order)) * self.batch_size]
+        return order
 
     def _num_batches(self, count: int) -> int:
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
@@ -184,33 +301,41 @@ class BatchLoader:
             return self.read == "mmap"
         return self.dataset.manifest.sizes["data"] <= memory().available
 
-    def _ring(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring buffers, made on first use and kept for the loader's life."""
-        if self._buffers is None:
+    def _buffers(self) -> _Ring:
+        """The ring, made on first use and again only when the batches' shape changes."""
+        shape = self.shape
+        if self._ring is None or self._ring.shape != shape:
+            self._ring = None  # the old ring's memory goes before the new one is made
             slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
-            shape = (slots, self.batch_size, *self.shape)
-            if self.pin_memory:
-                images = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-            else:
-                # numpy's allocator asks for transparent huge pages on large arrays: the first
-                # touch of a 200 MB ring faults 100 huge pages instead of 50,000 small ones.
-                images = torch.from_numpy(np.empty(shape, np.uint8))
-            labels = torch.empty((slots, self.batch_size), dtype=torch.int64)
-            if self.pin_memory:
-                labels = labels.pin_memory()
-            self._buffers = (images, labels)
-        return self._buffers
+            self._ring = _Ring(
+                slots,
+                self.batch_size,
+                shape,
+                self.pin_memory,
+                self.normalize if self.device.type == "cpu" else None,
+                self.channels_last,
+            )
+        return self._ring
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         previous = self._live() if self._live is not None else None
         if previous is not None:
             previous.close(f"{type(self).__name__}: a newer iteration of this loader started")
-        order = self._indices()
-        if self.drop_last:
-            order = order[: self._num_batches(len(order)) * self.batch_size]
-        it = _Iteration(self, order)
+        seed = self.seed
+        if seed is None:  # a fresh seed per iteration, unless one is being resumed
+            if not self._start or self._iteration_seed is None:
+                self._iteration_seed = secrets.randbits(63)
+            seed = self._iteration_seed
+        start, self._start = self._start, 0
+        it = _Iteration(self, self._order(seed), seed, start)
+        self._done = start
         self._live = weakref.ref(it)
         return it
+
+
+def _channels(dataset: MemmapImageDataset) -> int:
+    shapes = dataset.records.shapes
+    return int(shapes[0, 2]) if len(shapes) else 3
 
 
 def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
@@ -227,15 +352,79 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
         )
         more = f" and {len(distinct) - 5} more" if len(distinct) > 5 else ""
         raise MixedShapesError(
-            f"{dataset.cache}: BatchLoader needs records of one shape (H x W x C), found "
-            f"{len(distinct)}: {found}{more}; build the cache with size=(W, H), or use "
-            "DataLoader with a transform that makes them equal"
+            f"{dataset.cache}: without crop=, BatchLoader needs records of one shape (H x W x "
+            f"C), found {len(distinct)}: {found}{more}; pass crop=mmcache.RandomResizedCrop("
+            "224) (or CenterCrop), or build the cache with size=(W, H)"
         )
     return tuple(int(v) for v in distinct[0])
 
 
+class _Normalize:
+    """``(x / 255 - mean) / std`` as one subtraction and one division of 0..255 values."""
+
+    def __init__(self, normalize, channels: int, dtype: torch.dtype | None) -> None:
+        mean, std = (np.asarray(v, np.float64).reshape(-1) for v in normalize)
+        if len(mean) != channels or len(std) != channels or (std <= 0).any():
+            raise ValueError(
+                f"normalize must be (mean, std) of {channels} values each, std > 0, got "
+                f"{normalize!r}"
+            )
+        self.dtype = dtype or torch.float32
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a float type, got {self.dtype}")
+        self.mean = torch.tensor(mean * 255, dtype=self.dtype).view(1, -1, 1, 1)
+        self.std = torch.tensor(std * 255, dtype=self.dtype).view(1, -1, 1, 1)
+
+    def into(self, out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """Normalise uint8 N x H x W x C ``images`` into the float N x C x H x W ``out``."""
+        out.copy_(images.permute(0, 3, 1, 2))
+        return out.sub_(self.mean.to(out.device)).div_(self.std.to(out.device))
+
+
+class _Ring:
+    """The batch buffers: uint8 images and labels, and (CPU normalisation) float images."""
+
+    def __init__(
+        self,
+        slots: int,
+        batch_size: int,
+        shape: tuple[int, int, int],
+        pin_memory: bool,
+        normalize: _Normalize | None,
+        channels_last: bool,
+    ) -> None:
+        self.shape = shape
+        full = (slots, batch_size, *shape)
+        if pin_memory:
+            self.images = torch.empty(full, dtype=torch.uint8, pin_memory=True)
+            self.labels = torch.empty((slots, batch_size), dtype=torch.int64).pin_memory()
+        else:
+            # numpy's allocator asks for transparent huge pages on large arrays: the first
+            # touch of a 200 MB ring faults 100 huge pages instead of 50,000 small ones.
+            self.images = torch.from_numpy(np.empty(full, np.uint8))
+            self.labels = torch.from_numpy(np.empty((slots, batch_size), np.int64))
+        self.floats = None
+        if normalize is not None:
+            h, w, c = shape
+            if channels_last:  # N x C x H x W views of N x H x W x C memory
+                floats = torch.empty((slots, batch_size, h, w, c), dtype=normalize.dtype)
+                self.floats = floats.permute(0, 1, 4, 2, 3)
+            else:
+                self.floats = torch.empty((slots, batch_size, c, h, w), dtype=normalize.dtype)
+        self.normalize, self.channels_last = normalize, channels_last
+
+    def output(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s first ``n`` images and labels as the loader hands them out (CPU)."""
+        images = self.images[slot, :n]
+        if self.floats is not None:
+            images = self.normalize.into(self.floats[slot, :n], images)
+        elif self.channels_last:
+            images = images.permute(0, 3, 1, 2)
+        return images, self.labels[slot, :n]
+
+
 class _Shared:
-    """What the copying threads and the consumer share (the threads never see the iterator, so
+    """What the filling threads and the consumer share (the threads never see the iterator, so
     dropping the iterator can finalize it and stop them)."""
 
     def __init__(self) -> None:
@@ -252,12 +441,14 @@ class _Shared:
 class _Iteration:
     """One pass over a BatchLoader's order: starts the threads, hands out batches in order."""
 
-    def __init__(self, loader: BatchLoader, order: np.ndarray) -> None:
+    def __init__(self, loader: BatchLoader, order: np.ndarray, seed: int, start: int) -> None:
         ds = loader.dataset
-        images, labels = loader._ring()
+        ring = loader._buffers()
+        self._loader = loader
         self._shared = shared = _Shared()
         self._count = -(-len(order) // loader.batch_size)
-        self._taken = 0
+        self._taken = min(start, self._count)
+        shared.next_batch = shared.released = self._taken
         self._closed: str | None = None
         job = _Job(
             order=order,
@@ -266,19 +457,24 @@ class _Iteration:
             # CPU: prefetch batches ahead of the one held, so prefetch + 1 slots; CUDA: each
             # thread reuses its own pinned slot, the ready device batches are bounded instead.
             ahead=loader.prefetch,
-            slots=len(images),
-            images=images,
-            labels=labels,
+            ring=ring,
             device=loader.device,
+            normalize=loader.normalize,
+            channels_last=loader.channels_last,
             dataset=ds,
-            data=ds.mapping() if len(order) else None,
+            records=ds.records,
+            data=_as_tensor(ds.mapping()) if len(order) else None,
             mapped=len(order) > 0 and loader._reads_mapped(),
+            crop=loader.crop,
+            size=loader.crop.size if loader.crop is not None else None,
+            flip=loader.flip,
+            draws=(seed, loader.epoch, loader._rank()),
         )
         self._threads = [
             threading.Thread(
                 target=_work, args=(job, shared, k), name=f"mmcache-BatchLoader-{k}", daemon=True
             )
-            for k in range(min(loader.num_threads, max(self._count, 1)))
+            for k in range(min(loader.num_threads, max(self._count - self._taken, 1)))
         ]
         for t in self._threads:
             t.start()
@@ -313,6 +509,7 @@ class _Iteration:
             self.close("BatchLoader: this iteration stopped on an error")
             raise error
         self._taken += 1
+        self._loader._done = self._taken
         if copied is not None:
             # The current stream is per thread: order the caller's stream after the copy, and
             # tell the caching allocator that stream uses the tensors, so their memory is not
@@ -331,7 +528,7 @@ class _Iteration:
 
 
 class _Job:
-    """The read-only inputs of the copying threads."""
+    """The read-only inputs of the filling threads."""
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -348,11 +545,13 @@ def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
 
 
 def _work(job: _Job, shared: _Shared, k: int) -> None:
-    """A copying thread: take batch numbers in turn, fill each into its slot, publish it."""
+    """A filling thread: take batch numbers in turn, fill each into its slot, publish it."""
     cuda = job.device.type == "cuda"
     u = -1
     try:
         stream = torch.cuda.Stream(job.device) if cuda else None
+        scratch = _Scratch()
+        slots = len(job.ring.images)
         while True:
             with shared.cond:
                 u = shared.next_batch
@@ -365,13 +564,16 @@ def _work(job: _Job, shared: _Shared, k: int) -> None:
                     shared.cond.wait()
                 if shared.stop:
                     return
-            slot = k if cuda else u % job.slots
-            n = _fill(job, slot, job.order[u * job.batch_size : (u + 1) * job.batch_size], shared)
+            slot = k if cuda else u % slots
+            n = _fill(job, slot, u, shared, scratch)
             if n is None:
                 return
-            images, labels, copied = job.images[slot, :n], job.labels[slot, :n], None
             if cuda:
-                images, labels, copied = _to_device(images, labels, job.device, stream)
+                ring = job.ring
+                images, labels, copied = _to_device(job, ring.images[slot, :n],
+                                                    ring.labels[slot, :n], stream)  # fmt: skip
+            else:
+                (images, labels), copied = job.ring.output(slot, n), None
             with shared.cond:
                 shared.ready[u] = (images, labels, copied)
                 shared.cond.notify_all()
@@ -382,40 +584,141 @@ def _work(job: _Job, shared: _Shared, k: int) -> None:
             shared.cond.notify_all()
 
 
-def _fill(job: _Job, slot: int, idx: np.ndarray, shared: _Shared) -> int | None:
-    """Copy records ``idx`` into ring slot ``slot``; their count, or None if told to stop."""
-    ds, data, mapped = job.dataset, job.data, job.mapped
+class _Scratch:
+    """A filling thread's reusable buffers: rows read with pread, the uniform numbers of
+    boxes and flips."""
+
+    def __init__(self) -> None:
+        self.rows = np.empty(0, np.uint8)
+        self.numbers = np.empty(0, np.uint8)
+
+    def take(self, name: str, nbytes: int) -> np.ndarray:
+        buf = getattr(self, name)
+        if buf.size < nbytes:  # grows to the largest record once, then is reused
+            buf = np.empty(nbytes, np.uint8)
+            setattr(self, name, buf)
+        return buf[:nbytes]
+
+
+def _uniforms(draws: tuple[int, int, int], first: int, n: int, scratch: _Scratch) -> np.ndarray:
+    """The ``DRAWS`` uniform numbers of positions ``first .. first + n - 1`` of the epoch,
+    drawn into the thread's scratch buffer."""
+    blocks = range(first // DRAW_BLOCK, (first + n - 1) // DRAW_BLOCK + 1)
+    numbers = scratch.take("numbers", len(blocks) * DRAW_BLOCK * DRAWS * 8).view(np.float64)
+    numbers = numbers.reshape(len(blocks) * DRAW_BLOCK, DRAWS)
+    for k, b in enumerate(blocks):
+        rng = np.random.default_rng([*draws, b])
+        rng.random(out=numbers[k * DRAW_BLOCK : (k + 1) * DRAW_BLOCK])
+    start = first - blocks[0] * DRAW_BLOCK
+    return numbers[start : start + n]
+
+
+def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> int | None:
+    """Fill ring slot ``slot`` with batch ``u``; its count, or None if told to stop."""
+    first = u * job.batch_size
+    idx = job.order[first : first + job.batch_size]
     n = len(idx)
-    flat = job.images[slot].numpy().reshape(job.images.shape[1], -1)
-    nbytes = flat.shape[1]
-    records = ds.records
-    np.take(records.labels, idx, out=job.labels[slot, :n].numpy())
+    ds, records, data, mapped = job.dataset, job.records, job.data, job.mapped
+    ring_images = job.ring.images[slot]
+    images = ring_images.numpy()
+    np.take(records.labels, idx, out=job.ring.labels[slot, :n].numpy())
     filled = ds.filled(idx)
     offsets = records.offsets[idx].tolist()
-    # One slice copy per record, each releasing the GIL (np.take over a strided 2-D view of
-    # the mapping was slower for records of a megabyte).
+    shapes = records.shapes[idx]
+    boxes, flips = _draw(job.crop, job.flip, job.draws, shapes, first, scratch)
+    if boxes is not None:
+        boxes = boxes.tolist()
+    else:
+        flat = images.reshape(images.shape[0], -1)
+        nbytes = flat.shape[1]
+        data = None if data is None else data.numpy()
+    # One slice copy (or one resize) per record, each releasing the GIL (np.take over a
+    # strided 2-D view of the mapping was slower for records of a megabyte).
     for j, off in enumerate(offsets):
         if shared.stop:
             return None
-        if not filled[j]:  # the dataset's own read raises its error (or, lazily, fills it)
-            flat[j] = ds.read(int(idx[j])).reshape(-1)
-        elif mapped:
-            flat[j] = data[off : off + nbytes]
+        r = int(idx[j])
+        if boxes is None:
+            if not filled[j]:  # the dataset's own read raises its error (or, lazily, fills it)
+                flat[j] = ds.read(r).reshape(-1)
+            elif mapped:
+                flat[j] = data[off : off + nbytes]
+            else:
+                ds.read_into(r, flat[j])
         else:
-            ds.read_into(int(idx[j]), flat[j])
+            top, left, bh, bw = boxes[j]
+            src = _box_rows(job, r, off, shapes[j], top, bh, filled[j], scratch)
+            resize_into(src[:, left : left + bw], ring_images[j], job.crop.interpolation)
+        if flips is not None and flips[j]:
+            cv2.flip(images[j], 1, dst=images[j])
     return n
 
 
+def _draw(
+    crop: Any,
+    flip: bool,
+    draws: tuple[int, int, int],
+    shapes: np.ndarray,
+    first: int,
+    scratch: _Scratch,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The crop boxes and flips of the records of ``shapes`` at positions ``first ...`` of an
+    epoch (None for what is not asked)."""
+    if crop is None and not flip:
+        return None, None
+    numbers = _uniforms(draws, first, len(shapes), scratch)
+    flips = (numbers[:, -1] < 0.5) if flip else None
+    boxes = crop.boxes(shapes, numbers[:, : crop.draws]) if crop is not None else None
+    return boxes, flips
+
+
+def _box_rows(
+    job: _Job,
+    r: int,
+    off: int,
+    shape: np.ndarray,
+    top: int,
+    rows: int,
+    filled: bool,
+    scratch: _Scratch,
+) -> torch.Tensor:
+    """Rows ``top .. top + rows - 1`` of record ``r`` as an H x W x C tensor: a view of the
+    mapping, or (``pread``) just those rows, read into the thread's scratch buffer."""
+    h, w, c = (int(v) for v in shape)
+    if not filled:
+        return torch.from_numpy(job.dataset.read(r))[top : top + rows]
+    if job.mapped:
+        return job.data[off : off + h * w * c].view(h, w, c)[top : top + rows]
+    buf = scratch.take("rows", rows * w * c)
+    job.dataset.read_into(r, buf, top * w * c)
+    return torch.from_numpy(buf).view(rows, w, c)
+
+
+def _as_tensor(mapping: np.ndarray) -> torch.Tensor:
+    """The read-only mapping of the data file as a flat uint8 tensor (no copy). torch warns
+    that it cannot mark the tensor read-only; nothing writes through it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(mapping)
+
+
 def _to_device(
-    images: torch.Tensor, labels: torch.Tensor, device: torch.device, stream: Any
+    job: _Job, images: torch.Tensor, labels: torch.Tensor, stream: Any
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Copy a pinned batch to ``device`` on ``stream``, and wait for it: the slot refills next."""
+    """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
+    the copy: the slot refills next."""
     with torch.cuda.stream(stream):
-        d_images = images.to(device, non_blocking=True)
-        d_labels = labels.to(device, non_blocking=True)
+        d_images = images.to(job.device, non_blocking=True)
+        d_labels = labels.to(job.device, non_blocking=True)
+        if job.normalize is not None:
+            floats = d_images.permute(0, 3, 1, 2).to(job.normalize.dtype)  # channels_last
+            floats.sub_(job.normalize.mean.to(job.device)).div_(job.normalize.std.to(job.device))
+            d_images = floats if job.channels_last else floats.contiguous()
+        elif job.channels_last:
+            d_images = d_images.permute(0, 3, 1, 2)
         copied = torch.cuda.Event()
         copied.record(stream)
-    # The copy of ~66 MB takes ~3 ms at PCIe speed, less than filling the next batch; waiting
-    # here lets this thread's one pinned slot be refilled without a second ring.
+    # The copy of a batch takes a few milliseconds at PCIe speed, less than filling the next
+    # batch; waiting here lets this thread's one pinned slot be refilled without a second ring.
     copied.synchronize()
     return d_images, d_labels, copied

@@ -99,14 +99,35 @@ class QuasiRandomSampler(Sampler[int]):
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size, self.buffer_blocks = block_size, buffer_blocks
         self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
-        self.seed, self.epoch = seed, 0
+        self.seed, self.epoch, self.start = seed, 0, 0
         self.prefetch = prefetch
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` (call before each epoch; every rank with the same one)."""
         self.epoch = epoch
+        self.start = 0
+
+    def state_dict(self, consumed: int = 0) -> dict[str, int]:
+        """Where training is in this epoch, as plain JSON-serialisable data: the epoch, the
+        seed, and ``consumed``, the samples of this epoch's order training has taken (a
+        DataLoader reads ahead of training, so only the caller knows it: batches done times
+        the batch size). ``load_state_dict`` makes a new sampler go on from there.
+        """
+        return {"epoch": self.epoch, "seed": self.seed, "start": int(consumed)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next iteration yield this epoch's order from ``state["start"]`` on (then
+        whole epochs again)."""
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"the state is of seed {state['seed']}, this sampler's is {self.seed}: its "
+                "order would not be the same"
+            )
+        self.set_epoch(int(state["epoch"]))
+        self.start = int(state["start"])
 
     def __len__(self) -> int:
+        """Samples per epoch for this rank (a resumed epoch yields fewer: the rest of it)."""
         if self.drop_last:
             return self.n // self.num_replicas
         return -(-self.n // self.num_replicas)
@@ -143,6 +164,9 @@ class QuasiRandomSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order, starts = self._epoch()
+        skip, self.start = self.start, 0
+        if skip:  # a resumed epoch: from position ``skip`` of its order
+            order, starts = order[skip:], np.unique(np.maximum(starts - skip, 0))
         if not (self.prefetch and self._layout is not None and len(order)):
             yield from order.tolist()
             return

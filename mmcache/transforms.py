@@ -1,0 +1,267 @@
+"""Crops for training and validation with torchvision's names and box sampling, on HWC arrays.
+
+``RandomResizedCrop`` draws its boxes with torchvision's algorithm exactly (up to 10 tries of an
+area fraction uniform in ``scale`` and an aspect ratio log-uniform in ``ratio``, each kept if it
+fits; then the fallback: the centre crop of the whole image clamped to ``ratio``).
+``CenterCrop(size, ratio=224/256)`` takes the centre square of ``ratio`` times the shorter side,
+which on images stored at shorter side 256 is torchvision's ``Resize(256)`` + ``CenterCrop(224)``
+(FFCV's ``CenterCropRGBImageDecoder`` means the same). ``RandomHorizontalFlip`` and ``Compose``
+complete the usual pipelines.
+
+Each crop works two ways, with the same pixels for the same box: as a per-sample transform of
+``MemmapImageDataset`` in a standard DataLoader (an H x W x C uint8 array in, ``size`` x C out;
+random draws from torch's generator, which the DataLoader seeds per worker, as torchvision's
+transforms do), and inside ``BatchLoader(crop=...)``, which draws boxes for a whole batch from
+uniform numbers that are a function of its seed, the epoch and each sample's position, and
+resizes each box of the record straight into its slot of a reused batch buffer.
+
+Resizing is torchvision's by default (``interpolation="bilinear"``): its antialiased bilinear
+filter, computed by the very kernel torchvision's ``resize`` runs on uint8 tensors (torch's
+``_upsample_bilinear2d_aa``), writing straight into the output. OpenCV's filters are there too
+(``"linear"``, ``"area"``, ``"cubic"``, ``"lanczos"``, ``"nearest"``); docs/training.md gives
+how far each is from torchvision's, and how fast, as measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+__all__ = ["CenterCrop", "Compose", "RandomHorizontalFlip", "RandomResizedCrop", "resized_crop"]
+
+# None: torchvision's antialiased bilinear (torch's kernel); the others are OpenCV's filters.
+INTERPOLATIONS = {
+    "bilinear": None,
+    "linear": cv2.INTER_LINEAR,
+    "area": cv2.INTER_AREA,
+    "cubic": cv2.INTER_CUBIC,
+    "lanczos": cv2.INTER_LANCZOS4,
+    "nearest": cv2.INTER_NEAREST,
+}
+# torchvision's RandomResizedCrop tries this many boxes before its fallback.
+TRIES = 10
+# Uniform numbers one sample's box and flip are drawn from: an area and a ratio per try, the
+# two corners' positions, and the flip.
+DRAWS = 2 * TRIES + 3
+
+
+def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
+    """torchvision's convention: an int is a square, a pair is (height, width)."""
+    if isinstance(size, int | np.integer):
+        pair = (int(size), int(size))
+    else:
+        pair = tuple(int(v) for v in size)
+    if len(pair) != 2 or min(pair) < 1:
+        raise ValueError(f"size must be an int or (height, width) of positive ints, got {size!r}")
+    return pair
+
+
+def _interpolation(name: str) -> str:
+    if name not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {name!r}")
+    return name
+
+
+class _Crop:
+    """What the crops share: an output size (settable between epochs) and an interpolation."""
+
+    draws = 0  # uniform numbers a box takes (a deterministic crop takes none)
+
+    def __init__(self, size: int | Sequence[int], interpolation: str) -> None:
+        self.size = size
+        self.interpolation = _interpolation(interpolation)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """The output ``(height, width)``. Set it (an int or a pair) to change the output size,
+        between epochs of a ``BatchLoader`` for progressive resizing."""
+        return self._size
+
+    @size.setter
+    def size(self, value: int | Sequence[int]) -> None:
+        self._size = _size_pair(value)
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
+        """Crop boxes ``(top, left, height, width)`` (an (N, 4) int64 array) of records of
+        ``shapes`` (N rows of height, width, ...), from ``uniforms`` (N rows of ``DRAWS``
+        numbers in [0, 1); unused by a deterministic crop)."""
+        raise NotImplementedError
+
+    def __call__(self, img: np.ndarray) -> np.ndarray:
+        """The crop of one H x W x C array, resized to ``size`` (a new array)."""
+        uniforms = torch.rand(1, self.draws, dtype=torch.float64).numpy() if self.draws else None
+        box = self.boxes(np.array([img.shape[:2]]), uniforms)[0]
+        return resized_crop(img, box, self.size, self.interpolation)
+
+
+class RandomResizedCrop(_Crop):
+    """A random box of random area and aspect ratio, resized to ``size``: torchvision's
+    ``RandomResizedCrop``.
+
+    Args:
+        size: output size: an int (square) or ``(height, width)``.
+        scale: bounds of the box's area, as fractions of the image's.
+        ratio: bounds of the box's aspect ratio (width / height), drawn log-uniformly.
+        interpolation: ``"bilinear"`` (torchvision's antialiased bilinear, see the module
+            docstring), or OpenCV's ``"linear"``, ``"area"``, ``"cubic"``, ``"lanczos"``,
+            ``"nearest"``.
+
+    Example:
+        >>> crop = RandomResizedCrop(224)
+        >>> ds = MemmapImageDataset("cache/train", transform=crop)  # doctest: +SKIP
+        >>> batches = BatchLoader(plain, 256, shuffle=True, crop=crop, flip=True)  # doctest: +SKIP
+    """
+
+    draws = DRAWS - 1  # the flip's number is the loader's
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        interpolation: str = "bilinear",
+    ) -> None:
+        super().__init__(size, interpolation)
+        if not 0 < scale[0] <= scale[1]:
+            raise ValueError(f"scale must be (low, high) with 0 < low <= high, got {scale}")
+        if not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"ratio must be (low, high) with 0 < low <= high, got {ratio}")
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
+        shapes = np.asarray(shapes)
+        height = shapes[:, 0].astype(np.float64)[:, None]
+        width = shapes[:, 1].astype(np.float64)[:, None]
+        u = np.asarray(uniforms, np.float64)
+        # torchvision, try by try: target_area = area * U(scale); aspect = exp(U(log ratio));
+        # w = round(sqrt(target_area * aspect)), h = round(sqrt(target_area / aspect)), kept if
+        # 0 < w <= width and 0 < h <= height. (np.round rounds half to even, as Python's round.)
+        target = height * width * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[:, :TRIES])
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = np.exp(lo + (hi - lo) * u[:, TRIES : 2 * TRIES])
+        w = np.round(np.sqrt(target * aspect))
+        h = np.round(np.sqrt(target / aspect))
+        fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        first = fits.argmax(axis=1)
+        rows = np.arange(len(u))
+        found = fits[rows, first]
+        bh, bw = h[rows, first], w[rows, first]
+        # The fallback: the whole image, cut to the nearest bound of ratio, centred.
+        width1, height1 = width[:, 0], height[:, 0]
+        in_ratio = width1 / height1
+        fb_w = np.where(in_ratio > self.ratio[1], np.round(height1 * self.ratio[1]), width1)
+        fb_h = np.where(in_ratio < self.ratio[0], np.round(width1 / self.ratio[0]), height1)
+        bh, bw = np.where(found, bh, fb_h), np.where(found, bw, fb_w)
+        # torchvision: randint(0, height - h + 1) for the top, likewise the left; the fallback
+        # is centred ((height - h) // 2).
+        top = np.where(found, np.floor(u[:, 2 * TRIES] * (height1 - bh + 1)), (height1 - bh) // 2)
+        left = np.where(
+            found, np.floor(u[:, 2 * TRIES + 1] * (width1 - bw + 1)), (width1 - bw) // 2
+        )
+        return np.stack([top, left, bh, bw], axis=1).astype(np.int64)
+
+
+class CenterCrop(_Crop):
+    """The centre box of ``ratio`` times the image's shorter side, square, resized to ``size``.
+
+    With images stored at shorter side 256 (``mmcache build --short-side 256``) and the default
+    ``ratio=224/256``, ``CenterCrop(224)`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``
+    for validation, without the resize (the box is already 224 pixels wide).
+
+    Args:
+        size: output size: an int (square) or ``(height, width)``.
+        ratio: the box's side as a fraction of the image's shorter side.
+        interpolation: as for ``RandomResizedCrop``.
+    """
+
+    def __init__(
+        self, size: int | Sequence[int], ratio: float = 224 / 256, interpolation: str = "bilinear"
+    ) -> None:
+        super().__init__(size, interpolation)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be within (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
+        shapes = np.asarray(shapes)
+        height, width = shapes[:, 0].astype(np.int64), shapes[:, 1].astype(np.int64)
+        side = np.maximum(1, np.round(np.minimum(height, width) * self.ratio)).astype(np.int64)
+        # torchvision's centre: int(round((height - side) / 2)), likewise the left
+        top = np.round((height - side) / 2).astype(np.int64)
+        left = np.round((width - side) / 2).astype(np.int64)
+        return np.stack([top, left, side, side], axis=1)
+
+
+class RandomHorizontalFlip:
+    """Mirror an H x W x C array left to right with probability ``p`` (torch's generator)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = float(p)
+
+    def __call__(self, img: np.ndarray) -> np.ndarray:
+        if torch.rand(1).item() < self.p:
+            return np.ascontiguousarray(img[:, ::-1])
+        return img
+
+
+class Compose:
+    """Apply ``transforms`` in order (picklable, so it crosses to spawned DataLoader workers)."""
+
+    def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, x: Any) -> Any:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+def resized_crop(
+    img: np.ndarray,
+    box: Sequence[int],
+    size: tuple[int, int],
+    interpolation: str = "bilinear",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``img[top:top + height, left:left + width]`` of an H x W x C uint8 array, resized to
+    ``size`` (height, width): torchvision's ``resized_crop`` with the default interpolation.
+
+    ``out``: a contiguous ``size`` x C uint8 array to write into, else a new one.
+    """
+    top, left, bh, bw = (int(v) for v in box)
+    if out is None:
+        out = np.empty((*size, img.shape[2]), np.uint8)
+    if not img.flags.writeable:
+        img = img.copy()  # torch refuses to wrap read-only memory without a warning
+    src = torch.from_numpy(img)[top : top + bh, left : left + bw]
+    resize_into(src, torch.from_numpy(out), interpolation)
+    return out
+
+
+def resize_into(src: torch.Tensor, out: torch.Tensor, interpolation: str = "bilinear") -> None:
+    """Resize the uint8 H x W x C tensor ``src`` (any strides, a view of a record's box, say)
+    into the contiguous uint8 H x W x C tensor ``out``, allocating nothing: what every crop
+    and ``BatchLoader`` resize with."""
+    if src.shape == out.shape:
+        out.copy_(src)
+        return
+    flag = INTERPOLATIONS[interpolation]
+    if flag is None:
+        # The kernel of torchvision's resize(antialias=True) on uint8, on N x C x H x W views
+        # of the H x W x C memory (channels_last), written into ``out`` itself.
+        _BILINEAR_AA(src.permute(2, 0, 1)[None], list(out.shape[:2]), False, None, None,
+                     out=out.permute(2, 0, 1)[None])  # fmt: skip
+        return
+    dst = out.numpy()
+    done = cv2.resize(src.numpy(), (dst.shape[1], dst.shape[0]), dst=dst, interpolation=flag)
+    if done.ctypes.data != dst.ctypes.data:  # cv2 made its own array: dst was not usable
+        dst[...] = done.reshape(dst.shape)
+
+
+_BILINEAR_AA = torch.ops.aten._upsample_bilinear2d_aa.out

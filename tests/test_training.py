@@ -1,0 +1,267 @@
+"""The training pipeline: BatchLoader with crops and flips over caches of mixed shapes, the
+DataLoader transforms, reproducible batches, progressive resizing, mid-epoch resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder
+from torch.utils.data import DataLoader
+
+from mmcache import (
+    BatchLoader,
+    CenterCrop,
+    MemmapImageDataset,
+    MixedShapesError,
+    QuasiRandomSampler,
+    RandomResizedCrop,
+    build_cache,
+)
+from mmcache.transforms import resized_crop
+
+SIZES = [(96, 64), (64, 96), (80, 80), (120, 60), (50, 70)]  # (width, height), mixed
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("training")
+    src = make_folder(root / "src", {c: SIZES * 4 for c in ("ant", "bee", "cow")})
+    build_cache(src, root / "cache", workers=1)
+    return root / "cache"
+
+
+@pytest.fixture
+def ds(cache):
+    return MemmapImageDataset(cache)
+
+
+def epoch(loader):
+    return [(images.clone(), labels.clone()) for images, labels in loader]
+
+
+def expected_batch(ds, loader, k):
+    """Batch k as resized_crop and a flip of each record make it, from the loader's plan."""
+    idx, boxes, flips = loader.plan(k)
+    images = []
+    for j, i in enumerate(idx):
+        img = resized_crop(ds.read(int(i)), boxes[j], loader.crop.size, loader.crop.interpolation)
+        images.append(img[:, ::-1] if flips is not None and flips[j] else img)
+    return np.stack(images), ds.records.labels[idx]
+
+
+def test_a_mixed_size_cache_is_covered_once_per_epoch_with_its_labels(ds):
+    loader = BatchLoader(ds, 7, shuffle=True, seed=3, crop=RandomResizedCrop(32), flip=True)
+    seen = []
+    for k, (images, labels) in enumerate(loader):
+        assert images.shape[1:] == (32, 32, 3) and images.dtype == torch.uint8
+        idx = loader.plan(k)[0]
+        assert labels.tolist() == ds.records.labels[idx].tolist()
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(len(ds)))  # every record once, of every shape
+
+
+def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
+    loader = BatchLoader(ds, 8, shuffle=True, seed=1, crop=RandomResizedCrop(40), flip=True)
+    flipped = 0
+    for k, (images, labels) in enumerate(loader):
+        want_images, want_labels = expected_batch(ds, loader, k)
+        assert np.array_equal(images.numpy(), want_images)
+        assert np.array_equal(labels.numpy(), want_labels)
+        flipped += int(loader.plan(k)[2].sum())
+    assert 0 < flipped < len(ds)  # flips happen, about half the time
+
+
+def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
+    # A centre crop has one box per image: both paths must agree on its pixels exactly.
+    crop = CenterCrop(48)
+    batches = BatchLoader(ds, 6, crop=crop)
+    per_sample = MemmapImageDataset(cache, transform=crop)
+    loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
+    for (a, la), (b, lb) in zip(batches, loader):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    # and a random crop's pixels, for the box it drew, are resized_crop's
+    torch.manual_seed(0)
+    img = RandomResizedCrop(40)(ds.read(3))
+    torch.manual_seed(0)
+    box = RandomResizedCrop(40).boxes(
+        ds.records.shapes[3:4], torch.rand(1, RandomResizedCrop.draws, dtype=torch.float64).numpy()
+    )[0]
+    assert np.array_equal(img, resized_crop(ds.read(3), box, (40, 40)))
+
+
+def test_the_same_seed_gives_the_same_batches_whatever_the_threads_and_runs(ds):
+    def run(threads):
+        loader = BatchLoader(
+            ds, 5, shuffle=True, seed=11, crop=RandomResizedCrop(36), flip=True, num_threads=threads
+        )
+        loader.set_epoch(2)
+        return epoch(loader)
+
+    one, three, again = run(1), run(3), run(1)
+    for (a, la), (b, lb), (c, _) in zip(one, three, again):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(la, lb)
+    other_epoch = BatchLoader(ds, 5, shuffle=True, seed=11, crop=RandomResizedCrop(36))
+    other_epoch.set_epoch(3)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, epoch(other_epoch)))
+
+
+@pytest.mark.parametrize("seed", [7, None])
+def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
+    def make():
+        loader = BatchLoader(ds, 6, shuffle=True, seed=seed, crop=RandomResizedCrop(32), flip=True)
+        loader.set_epoch(4)
+        return loader
+
+    first = make()
+    it = iter(first)
+    head = [next(it)[0].clone() for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))  # plain data, through a checkpoint
+    rest_uninterrupted = [images.clone() for images, _ in it]
+    assert state["batches"] == 3 and state["epoch"] == 4
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [images.clone() for images, _ in resumed]
+    assert len(rest) == len(rest_uninterrupted) == len(first) - 3 and len(head) == 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted))
+    # after the resumed epoch, the next iteration is a whole epoch again
+    assert len(list(resumed)) == len(first)
+
+
+def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
+    def sampler():
+        s = QuasiRandomSampler(ds, seed=5, block_size=4, prefetch=False)
+        s.set_epoch(2)
+        return s
+
+    cropped = MemmapImageDataset(cache, transform=CenterCrop(32))
+    whole = list(DataLoader(cropped, batch_size=4, sampler=sampler()))
+    loader = DataLoader(cropped, batch_size=4, sampler=sampler(), num_workers=2)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(loader.sampler.state_dict(consumed=5 * 4)))
+    del it
+    resumed_sampler = QuasiRandomSampler(ds, seed=5, block_size=4, prefetch=False)
+    resumed_sampler.load_state_dict(state)
+    rest = list(DataLoader(cropped, batch_size=4, sampler=resumed_sampler))
+    assert len(rest) == len(whole) - 5
+    for (a, la), (b, lb) in zip(rest, whole[5:]):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    # a BatchLoader over the same sampler resumes the same way
+    batch_loader = BatchLoader(ds, 4, sampler=sampler(), crop=CenterCrop(32))
+    full = epoch(batch_loader)
+    state = batch_loader.state_dict()
+    state["batches"] = 5
+    again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterCrop(32))
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
+
+
+def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
+    crop = RandomResizedCrop(24)
+    loader = BatchLoader(ds, 8, shuffle=True, seed=0, crop=crop)
+    pointers = []
+    for e, size in enumerate([24, 24, 32, 32, 24]):
+        crop.size = size
+        loader.set_epoch(e)
+        batches = list(loader)
+        assert all(images.shape[1:3] == (size, size) for images, _ in batches)
+        pointers.append(loader._ring.images.data_ptr())
+    assert pointers[0] == pointers[1] and pointers[2] == pointers[3]
+    assert pointers[1] != pointers[2]
+
+
+def test_no_pixel_buffer_is_allocated_per_batch(ds):
+    loader = BatchLoader(ds, 4, shuffle=True, seed=0, crop=RandomResizedCrop(64), flip=True)
+    list(loader)  # the ring and the threads' scratch buffers are made in the first epoch
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        pointers = set()
+        for images, _ in loader:
+            pointers.add(images.data_ptr())
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert len(pointers) <= loader.prefetch + 1  # the ring's slots, over and over
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    batch_bytes = 4 * 64 * 64 * 3
+    assert grown < batch_bytes  # bookkeeping only, never a batch's worth of pixels
+
+
+def test_normalised_batches_on_the_cpu(ds):
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    plain = BatchLoader(ds, 5, seed=0, shuffle=True, crop=CenterCrop(32))
+    for dtype, channels_last in ((torch.float32, True), (torch.float16, False)):
+        normed = BatchLoader(
+            ds, 5, seed=0, shuffle=True, crop=CenterCrop(32), normalize=(mean, std),
+            dtype=dtype, channels_last=channels_last,
+        )  # fmt: skip
+        for (u8, _), (x, _) in zip(epoch(plain), epoch(normed)):
+            assert x.dtype == dtype and x.shape == (len(u8), 3, 32, 32)
+            assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+            want = u8.permute(0, 3, 1, 2).double() / 255 - torch.tensor(mean).view(1, 3, 1, 1)
+            want = want / torch.tensor(std).view(1, 3, 1, 1)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(x.double(), want, atol=tolerance)
+
+
+def test_without_crop_mixed_shapes_are_refused_with_the_way_out(ds):
+    with pytest.raises(MixedShapesError, match="pass crop=mmcache.RandomResizedCrop"):
+        BatchLoader(ds, 4)
+
+
+def test_a_crop_reads_only_the_box_s_rows_with_pread(ds):
+    mapped = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="mmap")
+    pread = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="pread")
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(mapped), epoch(pread)))
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+from mmcache import BatchLoader, MemmapImageDataset, QuasiRandomSampler, RandomResizedCrop
+dist.init_process_group("gloo")
+ds = MemmapImageDataset(sys.argv[1])
+def loader():
+    b = BatchLoader(ds, 4, sampler=QuasiRandomSampler(ds, seed=3, block_size=4),
+                    crop=RandomResizedCrop(28), flip=True, seed=9)
+    b.set_epoch(1)
+    return b
+whole = [x.clone() for x, _ in loader()]
+first = loader()
+it = iter(first)
+next(it); next(it)
+state = json.loads(json.dumps(first.state_dict()))
+del it
+again = loader()
+again.load_state_dict(state)
+rest = [x.clone() for x, _ in again]
+ok = len(rest) == len(whole) - 2 and all(torch.equal(a, b) for a, b in zip(rest, whole[2:]))
+print(json.dumps({"rank": dist.get_rank(), "ok": ok, "first": whole[0].sum().item()}))
+dist.destroy_process_group()
+"""
+
+
+def test_resume_works_per_rank_under_torch_distributed(cache, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(cache)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["ok"] for r in results)
+    assert results[0]["first"] != results[1]["first"]  # each rank has its own share and crops
