@@ -382,7 +382,13 @@ class _Normalize:
 
 
 class _Ring:
-    """The batch buffers: uint8 images and labels, and (CPU normalisation) float images."""
+    """The batch buffers: uint8 images and labels, and (CPU normalisation) float images.
+
+    Each slot is a tensor of its own, not a view of one ring: autograd checks that a tensor it
+    saved for the backward pass was not written since, by a version count that all views of a
+    tensor share, so refilling one slot must not touch the version of the batch being trained
+    on.
+    """
 
     def __init__(
         self,
@@ -394,33 +400,43 @@ class _Ring:
         channels_last: bool,
     ) -> None:
         self.shape = shape
-        full = (slots, batch_size, *shape)
         if pin_memory:
-            self.images = torch.empty(full, dtype=torch.uint8, pin_memory=True)
-            self.labels = torch.empty((slots, batch_size), dtype=torch.int64).pin_memory()
+            self.images = [
+                torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=True)
+                for _ in range(slots)
+            ]
+            self.labels = [
+                torch.empty(batch_size, dtype=torch.int64).pin_memory() for _ in range(slots)
+            ]
         else:
             # numpy's allocator asks for transparent huge pages on large arrays: the first
-            # touch of a 200 MB ring faults 100 huge pages instead of 50,000 small ones.
-            self.images = torch.from_numpy(np.empty(full, np.uint8))
-            self.labels = torch.from_numpy(np.empty((slots, batch_size), np.int64))
+            # touch of a 50 MB slot faults 25 huge pages instead of 12,000 small ones.
+            self.images = [
+                torch.from_numpy(np.empty((batch_size, *shape), np.uint8)) for _ in range(slots)
+            ]
+            self.labels = [torch.from_numpy(np.empty(batch_size, np.int64)) for _ in range(slots)]
         self.floats = None
         if normalize is not None:
             h, w, c = shape
             if channels_last:  # N x C x H x W views of N x H x W x C memory
-                floats = torch.empty((slots, batch_size, h, w, c), dtype=normalize.dtype)
-                self.floats = floats.permute(0, 1, 4, 2, 3)
+                self.floats = [
+                    torch.empty((batch_size, h, w, c), dtype=normalize.dtype).permute(0, 3, 1, 2)
+                    for _ in range(slots)
+                ]
             else:
-                self.floats = torch.empty((slots, batch_size, c, h, w), dtype=normalize.dtype)
+                self.floats = [
+                    torch.empty((batch_size, c, h, w), dtype=normalize.dtype) for _ in range(slots)
+                ]
         self.normalize, self.channels_last = normalize, channels_last
 
     def output(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot ``slot``'s first ``n`` images and labels as the loader hands them out (CPU)."""
-        images = self.images[slot, :n]
+        images = self.images[slot][:n]
         if self.floats is not None:
-            images = self.normalize.into(self.floats[slot, :n], images)
+            images = self.normalize.into(self.floats[slot][:n], images)
         elif self.channels_last:
             images = images.permute(0, 3, 1, 2)
-        return images, self.labels[slot, :n]
+        return images, self.labels[slot][:n]
 
 
 class _Shared:
@@ -570,8 +586,8 @@ def _work(job: _Job, shared: _Shared, k: int) -> None:
                 return
             if cuda:
                 ring = job.ring
-                images, labels, copied = _to_device(job, ring.images[slot, :n],
-                                                    ring.labels[slot, :n], stream)  # fmt: skip
+                images, labels, copied = _to_device(job, ring.images[slot][:n],
+                                                    ring.labels[slot][:n], stream)  # fmt: skip
             else:
                 (images, labels), copied = job.ring.output(slot, n), None
             with shared.cond:
@@ -621,7 +637,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
     ds, records, data, mapped = job.dataset, job.records, job.data, job.mapped
     ring_images = job.ring.images[slot]
     images = ring_images.numpy()
-    np.take(records.labels, idx, out=job.ring.labels[slot, :n].numpy())
+    np.take(records.labels, idx, out=job.ring.labels[slot][:n].numpy())
     filled = ds.filled(idx)
     offsets = records.offsets[idx].tolist()
     shapes = records.shapes[idx]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -158,25 +159,24 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_cache(source, tmp_pat
         assert "Traceback" not in errors[0]
 
 
-def test_the_ddp_example_trains_from_a_cache(small_folder, tmp_path):
-    build_cache(small_folder, tmp_path / "cache", workers=1)
-    run = torchrun(
-        2,
-        str(ROOT / "tools" / "train_ddp.py"),
-        str(tmp_path / "cache"),
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--workers",
-        "0",
-        "--input-size",
-        "16",
-    )
+def test_the_ddp_example_builds_together_then_trains_and_resumes(tmp_path):
+    args = ["--workdir", str(tmp_path / "work"), "--images", "32", "--epochs", "2"]
+    args += ["--size", "32", "--batch-size", "4", "--checkpoint", str(tmp_path / "ckpt.pt")]
+    script = str(ROOT / "tools" / "train_ddp.py")
+    run = torchrun(2, script, *args, "--save-every", "2", "--stop-after", "3")
     assert run.returncode == 0, run.stderr
-    assert "12 images, 3 classes, 2 ranks (gloo, cpu)" in run.stdout
-    loss, rate = re.search(r"epoch 1: 2 steps, loss ([\d.]+), ([\d,]+) img/s", run.stdout).groups()
+    assert "train_ddp: 2 ranks (gloo, cpu), 4 batches of 4 per rank and epoch" in run.stdout
+    assert "stopped after step 3" in run.stdout
+    resumed = torchrun(2, script, *args, "--resume", "--json", str(tmp_path / "r.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at epoch 1, batch 2" in resumed.stdout and "up to date" in resumed.stdout
+    loss, rate = re.search(r"epoch 2: loss ([\d.]+), .* ([\d,]+) img/s", resumed.stdout).groups()
     assert 0 < float(loss) < 10 and int(rate.replace(",", "")) > 0
+    whole = torchrun(2, script, *args[:-2], "--json", str(tmp_path / "w.json"))
+    assert whole.returncode == 0, whole.stderr
+    # the interrupted and resumed run ends with the weights of the uninterrupted one
+    ends = [json.loads((tmp_path / f).read_text())["weights_sum"] for f in ("r.json", "w.json")]
+    assert ends[0] == ends[1]
 
 
 def test_copy_cache_equals_the_source_and_replaces_an_old_copy(small_folder, tmp_path, capsys):

@@ -174,7 +174,7 @@ def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds)
         loader.set_epoch(e)
         batches = list(loader)
         assert all(images.shape[1:3] == (size, size) for images, _ in batches)
-        pointers.append(loader._ring.images.data_ptr())
+        pointers.append(loader._ring.images[0].data_ptr())
     assert pointers[0] == pointers[1] and pointers[2] == pointers[3]
     assert pointers[1] != pointers[2]
 
