@@ -3,9 +3,11 @@
 Each process opens the cache's data file itself, on first use: a DataLoader worker, forked or
 spawned, receives only the cache path and generation (pickling the dataset never carries pixels
 or the index), and reads pixels out of the OS page cache, which all processes and later runs
-share. Each sample is read with one ``pread`` into an array of its own, so transforms may write
-to it, the default collate takes it without a warning, and a process's memory does not grow with
-the cache. ``BatchLoader`` copies records from a read-only mapping straight into batch buffers.
+share. Each sample is a writable array of its own, a private copy-on-write mapping of the
+record's pages made for that read: nothing is allocated or copied to read it, transforms may
+write to it (only the pages they write are copied, privately), the default collate takes it
+without a warning, and a process's memory does not grow with the cache. ``BatchLoader`` reads
+records through the same dataset (its ``records`` and ``read_into``) into batch buffers.
 
 In lazy mode the dataset also fills the cache: ``RecordFiller`` decodes an empty record on its
 first read and stores it with ``pwrite``; the record states are mapped shared, so every process
@@ -14,6 +16,7 @@ sees every other's fills at once, through the cache files alone (no Manager, no 
 
 from __future__ import annotations
 
+import mmap
 import os
 import warnings
 import zlib
@@ -47,8 +50,8 @@ ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")
 # What __getstate__ drops: each process maps and opens these itself, on first use.
 _PER_PROCESS = (
-    "_files", "_records", "_offsets", "_shapes", "_labels", "_data", "_fd", "_states", "_codes",
-    "_filler", "_warned", "_verified",
+    "_files", "_records", "_offsets", "_shapes", "_nbytes", "_labels", "_data", "_fd", "_states",
+    "_codes", "_filler", "_warned", "_verified",
 )  # fmt: skip
 
 
@@ -219,11 +222,10 @@ class MemmapImageDataset(Dataset):
             labels=index["label"].astype(np.int64),
         )
         # The arrays __getitem__ indexes, without an attribute lookup each.
-        self._offsets, self._shapes, self._labels = (
-            self._records.offsets,
-            self._records.shapes,
-            self._records.labels,
-        )
+        records = self._records
+        self._offsets, self._shapes, self._nbytes, self._labels = (
+            records.offsets, records.shapes, records.nbytes, records.labels,
+        )  # fmt: skip
         self._data: np.ndarray | None = None
         self._fd = -1
         self._states: np.ndarray | None = None
@@ -318,17 +320,34 @@ class MemmapImageDataset(Dataset):
             return pixels  # the decoded array: no need to read back what was just written
         if code != fmt.FILLED:
             return None
-        # A private copy, read with one pread straight from the page cache: the caller may
-        # write to it, as transforms do, and the default collate wants writable arrays. Not a
-        # view of a copy-on-write mapping: a write in place would change what this process
-        # reads for every record on those pages. Not a copy out of the mapping either: that
-        # page-faults every 4 KiB of it into this process, whose memory then grows with the
-        # cache, and a file truncated under it kills the process with SIGBUS.
-        img = np.empty(self._shapes[i], np.uint8)
-        self.read_into(i, img)
+        img = self._private_view(i)
         if self._verified is not None and not self._verified[i]:
             self._verify(i, img)
         return img
+
+    def _private_view(self, i: int) -> np.ndarray:
+        """Record ``i`` as a writable array of its own: a private (copy-on-write) mapping of
+        just the record's pages, made for this read and gone with the array.
+
+        No memory is allocated or copied: the array's pages are the page cache's until
+        someone writes to them, and a write (a transform working in place) copies only the
+        page written, privately: it never reaches the cache, another read, or another process.
+        The mapping ends when the array is freed, so a process's memory does not grow with
+        the cache. The file's size is checked first: a page past its end would be SIGBUS.
+        """
+        off, n = int(self._offsets[i]), int(self._nbytes[i])
+        if os.fstat(self._fd).st_size < off + n:
+            raise self._truncated(i)
+        start = off - off % mmap.ALLOCATIONGRANULARITY
+        pages = mmap.mmap(self._fd, off + n - start, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
+        return np.frombuffer(pages, np.uint8, n, off - start).reshape(self._shapes[i])
+
+    def _truncated(self, i: int) -> CacheFormatError:
+        return CacheFormatError(
+            f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
+            "truncated after the cache was opened; rebuild the cache"
+        )
 
     def read_into(self, i: int, out: np.ndarray, start: int = 0) -> None:
         """Read ``out.nbytes`` stored bytes of FILLED record ``i``, from byte ``start`` of the
@@ -340,10 +359,7 @@ class MemmapImageDataset(Dataset):
         """
         self._map()
         if os.preadv(self._fd, [out], int(self._offsets[i]) + start) != out.nbytes:
-            raise CacheFormatError(
-                f"{self._files.manifest.file('data')}: record {i} is cut short: the file was "
-                "truncated after the cache was opened; rebuild the cache"
-            )
+            raise self._truncated(i)
 
     def _verify(self, i: int, img: np.ndarray) -> None:
         """verify="first-read": check a FILLED record against its CRC-32 on disk now.

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
@@ -20,19 +21,26 @@ from .sample_data import make_image_folder
 
 
 class DecodingDataset(Dataset):
-    """Decode ``samples`` (``(path, label)`` pairs) with OpenCV on every access: what
-    ``ImageFolder`` does, the demo's (and the bench's) baseline."""
+    """Decode ``samples`` (``(path, label)`` pairs) with OpenCV on every access, then
+    ``transform``: what ``ImageFolder`` does, the demo's (and the bench's) baseline."""
 
-    def __init__(self, samples: Sequence[tuple[str, int]], options: Options | None = None):
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        options: Options | None = None,
+        transform: Callable[[np.ndarray], Any] | None = None,
+    ):
         self.samples = list(samples)
         self.options = options or Options()
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def __getitem__(self, i: int) -> tuple[Any, int]:
         path, label = self.samples[i]
-        return decode_image(path, self.options), label
+        img = decode_image(path, self.options)
+        return (img if self.transform is None else self.transform(img)), label
 
 
 @dataclass

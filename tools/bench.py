@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import psutil
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: this mmcache, not an installed one
@@ -166,14 +168,7 @@ class BenchReport:
             f"Cache: {self.cache_bytes / 1e6:,.1f} MB. Pixels of mmcache equal decoding: "
             f"{_yes_no(self.pixels_equal)}."
         )
-        out += ["", "## Targets", "", "| target | measured | needed | result |"]
-        out.append("|---|---|---|---|")
-        for t in self.targets:
-            need = ("≥ " if t.higher_is_better else "≤ ") + f"{t.threshold:g}"
-            got = "n/a" if math.isnan(t.value) else f"{t.value:.2f}"
-            result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
-            out.append(f"| {t.name} | {got} | {need} | {result}{' ' + t.note if t.note else ''} |")
-        out += ["", "## Machine and settings", ""]
+        out += ["", _targets_markdown(self.targets, "Targets"), "## Machine and settings", ""]
         out += [f"- {k}: {v}" for k, v in self.machine.items()]
         out += [f"- {k}: {v}" for k, v in s.items()]
         if self.cold:
@@ -627,11 +622,12 @@ def _describe(m: MethodResult) -> str:
     if m.skipped:
         return f"{m.name}: skipped ({m.skipped})"
     epochs = ", ".join(f"{t:.2f}" for t in m.epoch_seconds)
-    return (
-        f"{m.name}: prepare {m.prepare_seconds:.2f} s, epochs [{epochs}] s, "
-        f"{m.steady_images_per_second:,.0f} img/s, peak PSS {m.peak_pss / 1e6:,.0f} MB, "
-        f"USS {m.peak_uss / 1e6:,.0f} MB"
-    )
+    text = f"{m.name}: epochs [{epochs}] s, {m.steady_images_per_second:,.0f} img/s"
+    if m.prepare_seconds:
+        text += f", prepare {m.prepare_seconds:.2f} s"
+    if m.peak_pss:
+        text += f", peak PSS {m.peak_pss / 1e6:,.0f} MB, USS {m.peak_uss / 1e6:,.0f} MB"
+    return text
 
 
 def targets(report: BenchReport) -> list[Target]:
@@ -674,7 +670,9 @@ def targets(report: BenchReport) -> list[Target]:
     ]
 
 
-def write_report(report: BenchReport, out: str | os.PathLike) -> list[Path]:
+def write_report(
+    report: BenchReport | None, out: str | os.PathLike, training: TrainingReport | None = None
+) -> list[Path]:
     """Write ``results.md``, ``results.json`` and (with matplotlib) ``chart.png`` into ``out``.
 
     Returns the paths written.
@@ -682,12 +680,30 @@ def write_report(report: BenchReport, out: str | os.PathLike) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.md", out / "results.json"]
-    written[0].write_text(report.to_markdown())
-    written[1].write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    chart = _chart(report, out / "chart.png")
+    parts = [report.to_markdown()] if report is not None else ["# mmcache benchmark\n"]
+    data = report.to_json() if report is not None else {}
+    if training is not None:
+        parts.append(training.to_markdown())
+        parts.append(_targets_markdown(training.targets, "Training pipeline targets"))
+        data["training"] = _finite(asdict(training))
+        for r, dr in zip(training.rows, data["training"]["rows"]):
+            dr["steady_images_per_second"] = _finite(r.steady_images_per_second)
+    written[0].write_text("\n".join(parts))
+    written[1].write_text(json.dumps(data, indent=2) + "\n")
+    chart = _chart(report, out / "chart.png") if report is not None else None
     if chart is not None:
         written.append(chart)
     return written
+
+
+def _targets_markdown(targets: list[Target], title: str) -> str:
+    out = [f"## {title}", "", "| target | measured | needed | result |", "|---|---|---|---|"]
+    for t in targets:
+        need = ("≥ " if t.higher_is_better else "≤ ") + f"{t.threshold:g}"
+        got = "n/a" if math.isnan(t.value) else f"{t.value:.2f}"
+        result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
+        out.append(f"| {t.name} | {got} | {need} | {result}{' ' + t.note if t.note else ''} |")
+    return "\n".join(out) + "\n"
 
 
 def _chart(report: BenchReport, path: Path) -> Path | None:
@@ -718,6 +734,200 @@ def _chart(report: BenchReport, path: Path) -> Path | None:
     return path
 
 
+# --- the training pipeline: RandomResizedCrop + flip into batches -----------------------------
+
+TRAINING_ROWS = {
+    "decode_crop": "decode + RandomResizedCrop in a DataLoader (what ImageFolder users run)",
+    "mmcache_crop": "MemmapImageDataset + the same per-sample crop in a DataLoader",
+    "ffcv": "FFCV Loader, RAW records, RandomResizedCropRGBImageDecoder + flip + ToTensor",
+    "thread_loop": "a plain loop in 2 threads: resize each crop box into one reused buffer",
+    "batch_loader_crop": "mmcache BatchLoader(crop=RandomResizedCrop, flip=True)",
+}
+
+
+@dataclass
+class TrainingReport:
+    """The training-pipeline table: the same crops of the same images, five ways."""
+
+    settings: dict
+    rows: list[MethodResult] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    ffcv: dict | None = None
+
+    def row(self, key: str) -> MethodResult | None:
+        return next((r for r in self.rows if r.key == key and not r.skipped), None)
+
+    def to_markdown(self) -> str:
+        s = self.settings
+        epochs = max((len(r.epoch_seconds) for r in self.rows), default=0)
+        head = ["method", *[f"epoch {k + 1} s" for k in range(epochs)], "img/s (median 2..)"]
+        out = [
+            "## Training pipeline",
+            "",
+            f"{s['images']:,} images stored at shorter side {s['short_side']}, "
+            f"RandomResizedCrop({s['size']}) + flip, batch {s['batch_size']}, "
+            f"{s['workers']} workers or threads, {s['epochs']} epochs.",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
+        for r in self.rows:
+            if r.skipped:
+                out.append(f"| {r.name} | skipped: {r.skipped} |" + " |" * (len(head) - 2))
+                continue
+            cells = [r.name, *[f"{t:.2f}" for t in r.epoch_seconds]]
+            cells += [""] * (epochs - len(r.epoch_seconds))
+            cells.append(f"{r.steady_images_per_second:,.0f}")
+            out.append("| " + " | ".join(cells) + " |")
+        return "\n".join(out) + "\n"
+
+
+def run_training_bench(
+    *,
+    source: str | os.PathLike | None = None,
+    images: int = 1000,
+    image_size: tuple[int, int] = (720, 480),
+    short_side: int = 256,
+    size: int = 224,
+    batch_size: int = 256,
+    workers: int = 2,
+    epochs: int = 4,
+    seed: int = 0,
+    rows: list[str] | None = None,
+    workdir: str | os.PathLike,
+    on_event: EventFn | None = None,
+) -> TrainingReport:
+    """Time RandomResizedCrop + flip into batches five ways on the same images, in one run.
+
+    The images (``source``, or ``images`` generated JPEGs of ``image_size``) are cached at
+    shorter side ``short_side``; every row crops ``size`` x ``size`` boxes with torchvision's
+    box sampling and antialiased bilinear resize (FFCV: its own crop decoder), flips half, and
+    is timed over ``epochs`` epochs of ``batch_size``, with ``workers`` DataLoader workers or
+    threads. FFCV runs in its own environment (tools/setup_ffcv.sh), on the cache's pixels.
+    """
+    say = on_event or (lambda _line: None)
+    rows = list(TRAINING_ROWS) if rows is None else rows
+    unknown = set(rows) - set(TRAINING_ROWS)
+    if unknown:
+        raise ValueError(f"unknown row(s) {sorted(unknown)}; choose from {list(TRAINING_ROWS)}")
+    workdir = Path(workdir)
+    if source is None:
+        classes = max(1, min(4, images))
+        source = make_image_folder(
+            workdir / "training-images", classes=classes, per_class=-(-images // classes),
+            size=image_size, quality=90, seed=seed + 1,
+        )  # fmt: skip
+    cache = workdir / f"cache-short-{short_side}"
+    build_cache(source, cache, short_side=short_side, replace=True)
+    ds = MemmapImageDataset(cache, on_stale="ignore")
+    crop = mmcache.RandomResizedCrop(size)
+    per_sample = mmcache.Compose([crop, mmcache.RandomHorizontalFlip()])
+    report = TrainingReport(
+        settings={
+            "images": len(ds),
+            "short_side": short_side,
+            "size": size,
+            "batch_size": batch_size,
+            "workers": workers,
+            "epochs": epochs,
+            "stored": "x".join(str(v) for v in ds.records.shapes[0][1::-1]) + " (first record)",
+        }
+    )
+
+    def dataloader(dataset) -> list[float]:
+        return time_epochs(dataset, epochs, batch_size=batch_size, workers=workers)
+
+    for key in rows:
+        row = MethodResult(key, TRAINING_ROWS[key], images=len(ds))
+        gc.collect()
+        if key == "decode_crop":
+            row.epoch_seconds = dataloader(DecodingDataset(ds.samples, transform=per_sample))
+        elif key == "mmcache_crop":
+            row.epoch_seconds = dataloader(MemmapImageDataset(cache, transform=per_sample))
+        elif key == "ffcv":
+            sys.path.insert(0, str(HERE))
+            from ffcv_bench import run_ffcv_peer
+
+            result = run_ffcv_peer(cache, batch_size, workers, epochs, size, workdir / "ffcv")
+            if isinstance(result, str):
+                row.skipped = result
+            else:
+                row.epoch_seconds, report.ffcv = result["epoch_seconds"], result
+        elif key == "thread_loop":
+            row.epoch_seconds = _crop_thread_loop(ds, crop, batch_size, workers, epochs, seed)
+        else:
+            loader = mmcache.BatchLoader(
+                ds, batch_size, shuffle=True, seed=seed, crop=crop, flip=True,
+                num_threads=workers,
+            )  # fmt: skip
+            row.epoch_seconds = time_epochs(ds, epochs, batch_size=batch_size, workers=0,
+                                            loader=loader)  # fmt: skip
+        report.rows.append(row)
+        say(_describe(row))
+    report.targets = training_targets(report)
+    return report
+
+
+def _crop_thread_loop(ds, crop, batch_size: int, threads: int, epochs: int, seed: int):
+    """Seconds per epoch of the bare work: each record's crop box, a view of the mapping,
+    resized (and half of them flipped) into one reused batch buffer by ``threads`` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmcache.transforms import resize_into
+
+    records = ds.records
+    with warnings.catch_warnings():  # torch cannot mark the read-only mapping read-only
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(ds.mapping())
+    h, w = crop.size
+    batch = torch.empty((batch_size, h, w, records.shapes[0][2]), dtype=torch.uint8)
+    rng = np.random.default_rng(seed)
+
+    def fill(part):
+        for j, i, (top, left, bh, bw), flip in part:
+            rh, rw, rc = (int(v) for v in records.shapes[i])
+            off = int(records.offsets[i])
+            src = data[off : off + rh * rw * rc].view(rh, rw, rc)[top : top + bh, left : left + bw]
+            resize_into(src, batch[j])
+            if flip:
+                out = batch[j].numpy()
+                cv2.flip(out, 1, dst=out)
+
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(epochs):
+            order = rng.permutation(len(ds))
+            start = time.perf_counter()
+            for k in range(0, len(order), batch_size):
+                idx = order[k : k + batch_size]
+                boxes = crop.boxes(records.shapes[idx], rng.random((len(idx), crop.draws)))
+                jobs = list(zip(range(len(idx)), idx.tolist(), boxes.tolist(),
+                                (rng.random(len(idx)) < 0.5).tolist()))  # fmt: skip
+                list(pool.map(fill, [jobs[t::threads] for t in range(threads)]))
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def training_targets(report: TrainingReport) -> list[Target]:
+    """The training pipeline's targets, as ratios of this run's figures."""
+
+    def rate(key: str) -> float:
+        r = report.row(key)
+        return r.steady_images_per_second if r else math.nan
+
+    bl, ffcv, decode = rate("batch_loader_crop"), rate("ffcv"), rate("decode_crop")
+    return [
+        Target("BatchLoader(crop) / FFCV Loader", bl / ffcv, 1.5),
+        Target("BatchLoader(crop) / decode + crop in a DataLoader", bl / decode, 10.0),
+        Target("BatchLoader(crop) / the plain thread loop", bl / rate("thread_loop"), 0.9),
+        Target(
+            "MemmapImageDataset + crop / decode + crop (DataLoaders)",
+            rate("mmcache_crop") / decode,
+            5.0,
+        ),  # fmt: skip
+    ]
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         return mmcache.decode.parse_size(text)
@@ -727,6 +937,9 @@ def _size(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="loading,training",
+                   help="loading (the DataLoader table), training (the crop pipeline table), or "
+                   "both (default)")  # fmt: skip
     p.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
     p.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
     p.add_argument("--image-size", type=_size, default=(720, 480), metavar="WxH",
@@ -738,40 +951,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=_size, metavar="WxH", help="resize all to WxH (mixed sizes)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each method")
     p.add_argument("--methods", help="comma-separated subset of: " + ", ".join(METHODS))
+    g = p.add_argument_group("the training pipeline table")
+    g.add_argument("--training-images", type=int, default=1000,
+                   help="images to generate for it (default 1000; --source if given)")  # fmt: skip
+    g.add_argument("--short-side", type=int, default=256, help="stored shorter side (256)")
+    g.add_argument("--crop", type=int, default=224, help="RandomResizedCrop size (224)")
+    g.add_argument("--training-batch-size", type=int, default=256, help="batch size (256)")
+    g.add_argument("--training-epochs", type=int, default=4, help="epochs (4)")
+    g.add_argument("--rows", help="comma-separated subset of: " + ", ".join(TRAINING_ROWS))
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
     p.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
     args = p.parse_args(argv)
-    methods = args.methods.split(",") if args.methods else list(METHODS)
-    print(
-        f"mmcache bench: {args.source or f'{args.images} generated JPEGs'}, {args.epochs} "
-        f"epochs, batch {args.batch_size}, {args.workers} DataLoader workers, shuffled"
-        + (", cold page cache" if args.cold else ""),
-        flush=True,
-    )
-    report = run_bench(
-        source=args.source,
-        images=args.images,
-        image_size=args.image_size,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        epochs=args.epochs,
-        build_workers=args.build_workers,
-        size=args.size,
-        cold=args.cold,
-        methods=methods,
-        workdir=args.workdir,
-        on_event=lambda line: print("  " + line, flush=True),
-    )
-    written = write_report(report, args.out)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"loading", "training"}:
+        p.error(f"--parts takes loading, training or both, got {args.parts!r}")
+    tmp = None if args.workdir else tempfile.mkdtemp(prefix="mmcache-bench-")
+    workdir = Path(args.workdir or tmp)
+    say = lambda line: print("  " + line, flush=True)  # noqa: E731
+    report = training = None
+    try:
+        if "loading" in parts:
+            print(
+                f"mmcache bench: {args.source or f'{args.images} generated JPEGs'}, "
+                f"{args.epochs} epochs, batch {args.batch_size}, {args.workers} DataLoader "
+                "workers, shuffled" + (", cold page cache" if args.cold else ""),
+                flush=True,
+            )
+            report = run_bench(
+                source=args.source, images=args.images, image_size=args.image_size,
+                batch_size=args.batch_size, workers=args.workers, epochs=args.epochs,
+                build_workers=args.build_workers, size=args.size, cold=args.cold,
+                methods=args.methods.split(",") if args.methods else None,
+                workdir=workdir / "loading", on_event=say,
+            )  # fmt: skip
+        if "training" in parts:
+            print(
+                f"training pipeline: {args.source or f'{args.training_images} generated JPEGs'} "
+                f"at shorter side {args.short_side}, RandomResizedCrop({args.crop}) + flip, batch "
+                f"{args.training_batch_size}, {args.workers} workers or threads",
+                flush=True,
+            )
+            training = run_training_bench(
+                source=args.source, images=args.training_images, image_size=args.image_size,
+                short_side=args.short_side, size=args.crop, batch_size=args.training_batch_size,
+                workers=args.workers, epochs=args.training_epochs,
+                rows=args.rows.split(",") if args.rows else None,
+                workdir=workdir / "training", on_event=say,
+            )  # fmt: skip
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    written = write_report(report, args.out, training)
     print("targets:")
-    for t in report.targets:
+    for t in (report.targets if report else []) + (training.targets if training else []):
         got = "n/a" if math.isnan(t.value) else f"{t.value:.2f}"
         need = (">=" if t.higher_is_better else "<=") + f" {t.threshold:g}"
         result = {True: "pass", False: "FAIL", None: "n/a"}[t.passed]
         print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")
     print("reproduce: python tools/bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print("wrote " + ", ".join(str(p) for p in written))
-    return 0 if report.pixels_equal is not False else 1
+    return 0 if report is None or report.pixels_equal is not False else 1
 
 
 if __name__ == "__main__":
