@@ -10,7 +10,7 @@ The format, build and decode parts import without torch; ``MemmapImageDataset``,
 """
 
 from ._version import __version__
-from .build import BuildReport, build_cache, create_lazy_cache
+from .build import BuildReport, build_cache, compact_cache, create_lazy_cache
 from .copying import CopyReport, copy_cache
 from .decode import Options, decode_image
 from .errors import (
@@ -71,6 +71,7 @@ __all__ = [
     "VerifyReport",
     "WarmReport",
     "build_cache",
+    "compact_cache",
     "copy_cache",
     "check_free_space",
     "create_lazy_cache",

@@ -35,21 +35,56 @@ def plan_layout(listing: Listing, opts: Options) -> Layout:
     return layout_from_sizes(probe_sizes(listing), opts)
 
 
-def probe_sizes(listing: Listing, progress: ProgressFn | None = None) -> np.ndarray:
-    """Native ``(height, width)`` of each listed file from its header; ``(0, 0)`` if unreadable."""
-    n = len(listing)
+def probe_sizes(
+    listing: Listing, progress: ProgressFn | None = None, records: np.ndarray | None = None
+) -> np.ndarray:
+    """Native ``(height, width)`` of each listed file (of ``records`` only, if given) from its
+    header; ``(0, 0)`` if unreadable."""
+    records = np.arange(len(listing)) if records is None else records
+    n = len(records)
     hw = np.zeros((n, 2), np.int64)
-    for i in range(n):
+    for k, i in enumerate(records.tolist()):
         try:
             size = probe_size(listing.abspath(i))
         except OSError:
             size = None
         if size is not None:
-            hw[i] = size
+            hw[k] = size
         # ~15 us per probe: a call every 4096 files costs nothing and updates a bar 15x a second.
-        if progress is not None and ((i + 1) % 4096 == 0 or i + 1 == n):
-            progress(i + 1, n)
+        if progress is not None and ((k + 1) % 4096 == 0 or k + 1 == n):
+            progress(k + 1, n)
     return hw
+
+
+def append_layout(
+    listing: Listing,
+    opts: Options,
+    kept: dict[int, int],
+    previous: fmt.CacheFiles,
+    skip: set[int],
+) -> Layout:
+    """The layout of a refresh that shares ``previous``'s data file: the records of ``kept``
+    (new record -> previous record) stay where they are; the others, but ``skip``, are laid out
+    after ``previous``'s records, their shapes from headers read now."""
+    n = len(listing)
+    shapes = np.zeros((n, 3), np.int64)
+    offsets = np.zeros(n, np.uint64)
+    state = np.full(n, fmt.EMPTY, np.uint32)
+    pixels = np.zeros(n, np.int64)
+    if kept:
+        new, old = (np.fromiter(v, np.int64, len(kept)) for v in (kept.keys(), kept.values()))
+        shapes[new] = fmt.record_shapes(previous.index)[old]
+        offsets[new] = previous.index["offset"][old]
+    base = previous.manifest.sizes["data"]
+    added = np.array([i for i in range(n) if i not in kept and i not in skip], np.int64)
+    data_bytes = base
+    if len(added):
+        part = layout_from_sizes(probe_sizes(listing, records=added), opts)
+        start = fmt.aligned(base)
+        shapes[added], state[added], pixels[added] = part.shapes, part.state, part.pixels
+        offsets[added] = part.offsets + np.uint64(start)
+        data_bytes = start + part.data_bytes if part.data_bytes else base
+    return Layout(shapes, offsets, data_bytes, state, pixels)
 
 
 def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:

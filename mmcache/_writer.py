@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpy as np
 
 from . import format as fmt
 from ._feedback import ProgressFn
-from ._layout import Layout, plan_layout
+from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked
 from .decode import Options, decoder_accepted, decoder_versions
@@ -45,6 +46,12 @@ class BuildReport:
     records with pixels; a lazy cache's records still to be filled count in ``pending``.
     ``seconds`` is the whole build, ``decode_seconds`` the decoding alone. ``ignored``: folders
     inside the source left out because they hold a cache (see ``scan_source``).
+
+    ``appended``: the new records went at the end of the current data file, the kept ones
+    staying where they were (a refresh), rather than into a new data file (a first build, other
+    options, a compaction). ``written_bytes``: what the build wrote, pixels (decoded or copied)
+    and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
+    uses now (``bytes`` is its size); ``dropped_garbage``: what a compaction took out.
     """
 
     cache: Path
@@ -61,6 +68,10 @@ class BuildReport:
     trusted_decoder: bool = False
     pending: int = 0
     decode_seconds: float = 0.0
+    appended: bool = False
+    written_bytes: int = 0
+    garbage_bytes: int = 0
+    dropped_garbage: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
@@ -69,6 +80,13 @@ class BuildReport:
     def images_per_second(self) -> float:
         """Decoding rate: files decoded per second of decoding."""
         return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+# A refresh appends what changed to the data file and leaves the records it replaces as garbage,
+# until garbage would pass this share of the file: then it writes a compact file instead. At 25%
+# the file stays within 4/3 of its live bytes, and refreshes that each replace 1% of the records
+# copy the whole cache once every ~25 of them (4% of a full copy per refresh, amortised).
+COMPACT_AT = 0.25
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,7 @@ class BuildRequest:
     trust_decoder: bool = False
     replace: bool = False
     lazy: bool = False
+    compact_at: float = COMPACT_AT
 
 
 @dataclass
@@ -207,10 +226,15 @@ class Generation:
     overflow: dict[int, np.ndarray]
     reused: int
     todo: list[int]  # records to decode, in listing order
+    # The data file's generation: this one's, or (a refresh appending to it) an earlier one's;
+    # and, appending, the size its published records end at (the new ones start after it).
+    data_gen: str = ""
+    appended_after: int | None = None
+    copied_bytes: int = 0
 
     @property
     def data_path(self) -> Path:
-        return self.folder / fmt.file_name("data", self.gen)
+        return self.folder / fmt.file_name("data", self.data_gen or self.gen)
 
     def jobs(self, records: Iterable[int]) -> list[list[Job]]:
         """Decode jobs for ``records``, in the chunks the workers take."""
@@ -240,31 +264,55 @@ class Generation:
 
 
 def allocate(s: Session) -> Generation:
-    """Plan the layout, create the new generation's (sparse) data file, copy reused records."""
-    listing = s.listing
-    layout = plan_layout(listing, s.request.options)
-    # Before anything is written: the whole new generation, while the old one stays on disk.
-    kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
-    needed = disk_bytes(generation_sizes(kept, layout.data_bytes))
-    check_free_space(s.folder, needed, s.request.force)
+    """Plan the layout and make room for the new records: at the end of the current data file
+    (a refresh, the kept records where they are), or in a new data file with the kept records
+    copied into it (a first build, other options, or a compaction of the garbage)."""
+    listing, previous, request = s.listing, s.previous, s.request
     n = len(listing)
+    state = np.full(n, fmt.EMPTY, np.uint32)
+    crcs = np.zeros(n, np.uint32)
+    messages: dict[int, str] = {}
+    _carry_skips(previous, listing, s.wanted, state, messages)
+    skip = set(np.flatnonzero(state != fmt.EMPTY).tolist())
+    kept = _kept_records(previous, listing, s.wanted)
+    layout = None
+    if previous is not None and kept is not None:
+        layout = append_layout(listing, request.options, kept, previous, skip)
+        if _garbage_share(previous, kept, layout) > request.compact_at:
+            layout = None  # too much garbage: a compact data file instead
+    appending = layout is not None
+    if layout is None:
+        layout = plan_layout(listing, request.options)
+    state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
+    gen = fmt.new_generation()
     g = Generation(
         folder=s.folder,
-        gen=fmt.new_generation(),
+        gen=gen,
         listing=listing,
         layout=layout,
-        state=layout.state.copy(),
-        crcs=np.zeros(n, np.uint32),
-        messages={},
+        state=state,
+        crcs=crcs,
+        messages=messages,
         overflow={},
         reused=0,
         todo=[],
+        data_gen=previous.manifest.data_generation if appending else gen,
+        appended_after=previous.manifest.sizes["data"] if appending else None,
     )
-    _carry_skips(s.previous, listing, s.wanted, g.state, g.messages)
+    # Before anything is written: the bytes this generation adds, while the old one stays.
+    new_bytes = layout.data_bytes - (g.appended_after or 0)
+    records = [listing.paths[i] for i in np.flatnonzero(state == fmt.EMPTY)]
+    check_free_space(s.folder, disk_bytes(generation_sizes(records, new_bytes)), request.force)
     with discarded_on_failure(g):
-        fmt.create_data_file(g.data_path, layout.data_bytes)
-        reuse = _reusable(s.previous, listing, s.wanted)
-        g.reused = _copy_reused(s.previous, reuse, layout, g.data_path, g.crcs, g.state)
+        if appending:
+            fmt.extend_data_file(g.data_path, layout.data_bytes)
+            g.reused = _keep_in_place(previous, kept or {}, g.crcs, g.state)
+        else:
+            fmt.create_data_file(g.data_path, layout.data_bytes)
+            reuse = _reusable(previous, listing, s.wanted)
+            g.reused, g.copied_bytes = _copy_reused(
+                previous, reuse, layout, g.data_path, g.crcs, g.state
+            )
     # A lazy cache decodes now only the records whose size, hence every later offset, is unknown.
     g.todo = [
         i for i in range(n) if g.state[i] == fmt.EMPTY and not (s.lazy and layout.shapes[i, 0])
@@ -283,6 +331,8 @@ def discarded_on_failure(g: Generation) -> Iterator[None]:
         if fmt.published_generation(g.folder) == g.gen:  # failed after the commit point
             raise
         fmt.remove_generation(g.folder, g.gen)
+        if g.appended_after is not None:  # what was appended to the shared data file
+            fmt.cut_data_file(g.data_path, g.appended_after)
         full = disk_full_error(
             e,
             g.folder,
@@ -338,10 +388,13 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     records = np.zeros(len(keep), fmt.STATE_DTYPE)
     records["crc32"], records["state"] = g.crcs[keep], state[keep]
-    sizes = fmt.write_generation(g.folder, g.gen, index, records, paths_blob, data_bytes)
+    sizes = fmt.write_generation(
+        g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen
+    )
     manifest = fmt.Manifest(
         path=g.folder,
         generation=g.gen,
+        data_generation=g.data_gen,
         count=len(keep),
         mode="lazy" if s.lazy else "build",
         source=listing.source_json(),
@@ -368,11 +421,17 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         old_paths = {previous.path(int(j)) for j in np.flatnonzero(filled)}
         removed = len(old_paths - set(listing.paths))
         changed = sum(listing.paths[i] in old_paths for i in g.todo)
+    decoded = [i for i in g.todo if state[i] == fmt.FILLED]
+    pixels_written = g.copied_bytes + int(np.prod(layout.shapes[decoded], axis=1).sum())
+    live = int(np.prod(layout.shapes[keep], axis=1).sum()) if len(keep) else 0
     report = BuildReport(
         cache=g.folder,
         images=int((state == fmt.FILLED).sum()),
         classes=len(listing.classes),
         bytes=data_bytes,
+        appended=g.appended_after is not None,
+        written_bytes=pixels_written + sum(v for k, v in sizes.items() if k != "data"),
+        garbage_bytes=max(0, data_bytes - live),
         seconds=0.0,
         decoded=int((state[g.todo] == fmt.FILLED).sum()) if g.todo else 0,
         reused=g.reused,
@@ -389,10 +448,11 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
 
 
 def publish(s: Session, manifest: fmt.Manifest) -> None:
-    """Make ``manifest`` the cache's current version, then delete the previous generation."""
+    """Make ``manifest`` the cache's current version, then delete the previous generation's
+    files (its data file only if the new one does not share it)."""
     fmt.write_manifest(manifest)
     if s.previous is not None:
-        fmt.remove_generation(s.folder, s.previous.manifest.generation)
+        fmt.retire(s.previous.manifest, manifest)
 
 
 def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:
@@ -400,6 +460,49 @@ def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> b
     return previous is not None and all(
         previous.manifest.fingerprints.get(k) == wanted[k] for k in ("options", "decoder")
     )
+
+
+def _kept_records(
+    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
+) -> dict[int, int] | None:
+    """New record -> previous record, for every unchanged file of a previous cache of equal
+    options and decoder (filled or not: its place in the data file stays its own); None when
+    the previous cache cannot share its data file."""
+    if not _lends_records(previous, wanted) or not previous.manifest.file("data").exists():
+        return None
+    old = previous.index
+    by_path = {previous.path(j): j for j in range(len(old))}
+    kept = {}
+    for i, rel in enumerate(listing.paths):
+        j = by_path.get(rel)
+        if j is not None and (
+            int(old[j]["source_size"]) == int(listing.sizes[i])
+            and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
+        ):
+            kept[i] = j
+    return kept
+
+
+def _garbage_share(previous: fmt.CacheFiles, kept: dict[int, int], layout: Layout) -> float:
+    """The share of the data file that no record would use after an appending refresh."""
+    nbytes = fmt.record_nbytes(previous.index)
+    live_kept = int(nbytes[list(kept.values())].sum()) if kept else 0
+    garbage = previous.manifest.sizes["data"] - live_kept
+    return garbage / layout.data_bytes if layout.data_bytes else 0.0
+
+
+def _keep_in_place(
+    previous: fmt.CacheFiles, kept: dict[int, int], crcs: np.ndarray, state: np.ndarray
+) -> int:
+    """Mark the kept records that hold pixels FILLED with their CRCs; returns how many. (The
+    others keep their place, still to fill.)"""
+    count = 0
+    for i, j in kept.items():
+        if previous.state[j]["state"] == fmt.FILLED:
+            crcs[i] = previous.state[j]["crc32"]
+            state[i] = fmt.FILLED
+            count += 1
+    return count
 
 
 def _reusable(
@@ -451,15 +554,16 @@ def _copy_reused(
     data_path: Path,
     crcs: np.ndarray,
     state: np.ndarray,
-) -> int:
-    """Copy unchanged records' pixels from the previous data file; returns how many."""
+) -> tuple[int, int]:
+    """Copy unchanged records' pixels from the previous data file; returns how many, and the
+    bytes copied."""
     if not reuse:
-        return 0
+        return 0, 0
     old = previous.index
     src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
     dst_fd = os.open(data_path, os.O_WRONLY)
     try:
-        count = 0
+        count = copied = 0
         for i, j in reuse.items():
             shape = previous.shape(j)
             if shape != tuple(int(v) for v in layout.shapes[i]):
@@ -469,7 +573,8 @@ def _copy_reused(
             crcs[i] = previous.state[j]["crc32"]
             state[i] = fmt.FILLED
             count += 1
-        return count
+            copied += nbytes
+        return count, copied
     finally:
         os.close(src_fd)
         os.close(dst_fd)
@@ -496,3 +601,69 @@ def _append_overflow(
     finally:
         os.close(fd)
     return data_bytes
+
+
+def compact(cache: str | os.PathLike) -> BuildReport:
+    """Write the cache's current records into a data file of their own, in index order, with
+    no garbage between them, and publish that as a new generation (``compact_cache``)."""
+    start = time.perf_counter()
+    folder = Path(cache).expanduser().absolute()
+    fmt.read_manifest(folder)  # no cache there: its error, before anything else
+    with fmt.writer_lock(folder):
+        files = fmt.read_cache_files(fmt.read_manifest(folder))
+        fmt.remove_stale_generations(folder, files)
+        m = files.manifest
+        nbytes = fmt.record_nbytes(files.index)
+        offsets, data_bytes = fmt.layout_offsets(nbytes)
+        gen = fmt.new_generation()
+        sizes = {**m.sizes, "data": data_bytes}
+        check_free_space(folder, disk_bytes(sizes))
+        try:
+            fmt.create_data_file(folder / fmt.file_name("data", gen), data_bytes)
+            copied = _copy_filled(files, offsets, folder / fmt.file_name("data", gen))
+            index = files.index.copy()
+            index["offset"] = offsets
+            sizes = fmt.write_generation(
+                folder, gen, index, files.state.copy(), files.paths_blob, data_bytes
+            )
+            extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,
+                                       "sizes": sizes, "extra": extra})  # fmt: skip
+            fmt.write_manifest(manifest)
+        except BaseException as e:
+            if fmt.published_generation(folder) != gen:
+                fmt.remove_generation(folder, gen)
+                full = disk_full_error(e, folder, "nothing was published; the cache is intact")
+                if full is not None:
+                    raise full from None
+            raise
+        fmt.retire(m, manifest)
+    codes = files.state["state"]
+    return BuildReport(
+        cache=folder,
+        images=int((codes == fmt.FILLED).sum()),
+        classes=len(m.classes),
+        bytes=data_bytes,
+        seconds=time.perf_counter() - start,
+        pending=int((codes == fmt.EMPTY).sum()),
+        written_bytes=copied + sum(v for k, v in sizes.items() if k != "data"),
+        garbage_bytes=data_bytes - int(nbytes.sum()),
+        dropped_garbage=fmt.garbage_bytes(files),
+        skipped=list(m.skipped),
+    )
+
+
+def _copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) -> int:
+    """Copy each FILLED record of ``files`` to its new offset in ``data_path``; bytes copied."""
+    filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
+    nbytes = fmt.record_nbytes(files.index)
+    src = os.open(files.manifest.file("data"), os.O_RDONLY)
+    dst = os.open(data_path, os.O_WRONLY)
+    try:
+        for i in filled.tolist():
+            fmt.copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
+        os.fsync(dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+    return int(nbytes[filled].sum())

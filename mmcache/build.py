@@ -33,7 +33,7 @@ from ._writer import BuildReport
 from .decode import Options
 from .scan import Listing
 
-__all__ = ["BuildReport", "build_cache", "create_lazy_cache"]
+__all__ = ["BuildReport", "build_cache", "compact_cache", "create_lazy_cache"]
 
 
 def build_cache(
@@ -46,6 +46,7 @@ def build_cache(
     force: bool = False,
     trust_decoder: bool = False,
     replace: bool = False,
+    compact_at: float = writer.COMPACT_AT,
     distributed: bool | None = None,
     dist_timeout: float = 1800.0,
     **options: Any,
@@ -53,8 +54,9 @@ def build_cache(
     """Decode every image of ``source`` once into the cache folder ``cache``.
 
     An unchanged source with the same options is a no-op (``report.up_to_date``); a changed
-    source decodes only new and modified files and carries the rest over (``report.reused``).
-    A lazy cache is completed: its filled records are carried over, the rest decoded.
+    source decodes only new and modified files and appends them to the data file, the records
+    of unchanged files staying where they are (``report.reused``, ``report.appended``). A lazy
+    cache is completed: its filled records are kept, the rest decoded in place.
 
     Args:
         source: an ImageFolder-style folder, a flat folder of images, or a ``path,label`` list
@@ -71,6 +73,9 @@ def build_cache(
             record that choice in its manifest as ``"trusted_decoder"``.
         replace: rebuild a cache made with other preprocessing options; without it such a
             build raises ``OptionsChangedError`` naming the options, and changes nothing.
+        compact_at: when a refresh would leave more than this share of the data file to
+            records no longer used (files removed or replaced), write a compact data file
+            instead of appending (see ``compact_cache``).
         distributed: build with every rank of the initialised ``torch.distributed`` process
             group (see ``mmcache.distributed``); every rank must then call ``build_cache`` with
             the same arguments, and every rank gets the same report or error. ``None`` (the
@@ -105,6 +110,7 @@ def build_cache(
         force=force,
         trust_decoder=trust_decoder,
         replace=replace,
+        compact_at=compact_at,
     )
     if _in_process_group(distributed):
         from .distributed import build_distributed
@@ -121,6 +127,7 @@ def create_lazy_cache(
     progress: ProgressFn | None = None,
     force: bool = False,
     replace: bool = False,
+    compact_at: float = writer.COMPACT_AT,
     **options: Any,
 ) -> BuildReport:
     """Create a lazy cache of ``source`` at once, without decoding: records fill on first read.
@@ -144,9 +151,28 @@ def create_lazy_cache(
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, progress=progress, force=force,
-        replace=replace, lazy=True,
+        replace=replace, lazy=True, compact_at=compact_at,
     )  # fmt: skip
     return _build_here(request)
+
+
+def compact_cache(cache: str | os.PathLike) -> BuildReport:
+    """Write a cache's records into a new data file with nothing between them, atomically.
+
+    Refreshes append new and modified records to the data file and leave the records they
+    replace behind as garbage; a build compacts by itself past its ``compact_at`` share, and
+    this does it now. The source is not read (a copied cache compacts too). Processes that
+    opened the previous generation keep reading it until they reopen.
+
+    Example:
+        >>> report = compact_cache("cache/train")  # doctest: +SKIP
+        >>> report.dropped_garbage, report.bytes  # doctest: +SKIP
+
+    Raises:
+        CacheNotFoundError, CacheFormatError: no cache there, or a damaged one.
+        InsufficientSpaceError: the disk lacks room for the compact data file.
+    """
+    return writer.compact(cache)
 
 
 def _build_here(request: writer.BuildRequest) -> BuildReport:

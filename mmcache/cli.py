@@ -119,6 +119,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a share between 0 and 1 (or 0% to 100%), got {text!r}"
+        )
+    return value
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -206,6 +218,15 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         if report.removed:
             done.append(f"{report.removed:,} removed (gone from the source)")
         out("  " + ", ".join(done) + pending + f"; {len(report.skipped):,} skipped")
+        where = (
+            "appended to the data file, the kept records where they were"
+            if report.appended
+            else "a new data file"
+        )
+        out(
+            f"  wrote {human_bytes(report.written_bytes)} ({where}); "
+            f"{_garbage(report.garbage_bytes, report.bytes)}"
+        )
     for s in report.skipped[:20]:
         out(f"  skipped {s['path']}: {s['reason']}")
     if len(report.skipped) > 20:
@@ -214,6 +235,24 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(f"  warning {w['path']}: {w['reason']}")
     if len(report.warnings) > 5:
         out(f"  ... {len(report.warnings) - 5:,} more decoder warnings (see manifest.json)")
+
+
+def _garbage(garbage: int, data: int) -> str:
+    share = garbage / data if data else 0.0
+    return f"{human_bytes(garbage)} of the data file ({share:.1%}) is garbage"
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from .build import compact_cache
+
+    report = compact_cache(args.cache)
+    if not args.quiet:
+        print(
+            f"{report.cache}: compacted in {report.seconds:.1f} s: "
+            f"{human_bytes(report.dropped_garbage)} of garbage dropped, the data file is now "
+            f"{human_bytes(report.bytes)} ({count(report.images, 'image')})"
+        )
+    return 0
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -242,6 +281,7 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
             force=args.force,
             trust_decoder=args.trust_decoder,
             replace=args.replace,
+            compact_at=args.compact_at,
             dist_timeout=args.dist_timeout,
             **_preprocessing_kwargs(args),
         )
@@ -488,6 +528,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"options:    {options}",
         f"data:       {human_bytes(info.data_bytes)} ({human_bytes(info.disk_bytes)} on disk, "
         f"{human_bytes(info.apparent_bytes)} apparent, all files)",
+        f"live:       {human_bytes(info.live_bytes)} of records; "
+        f"{_garbage(info.garbage_bytes, info.data_bytes)} (`mmcache compact` drops it)",
         f"resident:   {_share(info.resident_bytes, info.data_bytes)} of the data in the page cache",
         f"memory:     {human_bytes(info.ram_total)} {ram}, "
         f"{human_bytes(info.ram_available)} available",
@@ -595,6 +637,14 @@ def _parser() -> argparse.ArgumentParser:
         help="rebuild a cache made with other preprocessing options (else refused)",
     )
     b.add_argument(
+        "--compact-at",
+        type=_share,
+        default=0.25,
+        metavar="SHARE",
+        help="write a compact data file when a refresh would leave more than this share of it "
+        "to replaced records (default 0.25)",
+    )
+    b.add_argument(
         "--trust-decoder",
         action="store_true",
         help="keep a cache made by another decoder version instead of decoding it again",
@@ -675,6 +725,12 @@ def _parser() -> argparse.ArgumentParser:
         "of RAM (90%%) or a size (8G) (default 90%%)",
     )
     w.set_defaults(func=_cmd_warm)
+
+    k = sub.add_parser(
+        "compact", parents=[quiet], help="drop the garbage refreshes left in a cache's data file"
+    )
+    k.add_argument("cache", help=cache_help)
+    k.set_defaults(func=_cmd_compact)
 
     e = sub.add_parser("evict", parents=[quiet], help="drop a cache's pages from the page cache")
     e.add_argument("cache", help=cache_help)

@@ -96,7 +96,7 @@ def copy_cache(
             copied, verified, manifest = _copy_generation(fds, files, folder, progress)
             fmt.write_manifest(manifest)
             if previous is not None:
-                fmt.remove_generation(folder, previous.manifest.generation)
+                fmt.retire(previous.manifest, manifest)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -141,7 +141,9 @@ def _copy_generation(
             finally:
                 os.close(dst)
         fmt.fsync_dir(folder)
-        copy = fmt.Manifest(**{**vars(m), "path": folder, "generation": gen})
+        copy = fmt.Manifest(
+            **{**vars(m), "path": folder, "generation": gen, "data_generation": gen}
+        )
         verified = _verify(files, copy)
     except BaseException as e:
         fmt.remove_generation(folder, gen)

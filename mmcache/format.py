@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the only code that reads or writes its files.
 
-Format version 1.1
+Format version 2.0
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -14,11 +14,16 @@ A cache is one folder; move or copy it as a unit. Its files:
 
     - ``"magic"``: MUST be ``"mmcache"``.
     - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
-      SHOULD read a newer minor of a known major (minors only add keys). This is 1.1; 1.0 lacked
-      ``"checksums"``, and is still read.
-    - ``"generation"``: 16 lowercase hex digits naming the data files of this version of the
-      cache; ``"files"`` maps ``"index"``, ``"state"``, ``"paths"``, ``"data"`` to their names,
-      ``"<kind>-<generation>.bin"``, and ``"sizes"`` gives their exact byte sizes.
+      SHOULD read a newer minor of a known major (minors only add keys). This is 2.0. Versions 1.0
+      and 1.1 are still read (1.0 lacked ``"checksums"``); 2.0 differs from them only in that a
+      generation may share the data file of an earlier one (below), which a 1.x reader would
+      misread, hence the new major.
+    - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
+      maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
+      to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
+      one, or an earlier one whose data file it shares (in 1.x, always this one). ``"sizes"``
+      gives the files' exact byte sizes; for the data file, the bytes this generation's records
+      lie within.
     - ``"count"``: the number of records N; ``"index_dtype"`` and ``"state_dtype"``: the record
       layouts below, spelled as numpy dtype descriptions, which MUST equal them exactly.
     - ``"mode"``: ``"build"`` (every record filled when published) or ``"lazy"`` (records are
@@ -60,20 +65,30 @@ A cache is one folder; move or copy it as a unit. Its files:
     never absolute nor with an empty, ``.`` or ``..`` part: it cannot name a file outside the
     source root.
 
-``data-<generation>.bin``
+``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
-    H x W x C. Records do not overlap; they are in index order except records appended after
-    the planned ones (their header did not predict their size). Gaps read as zero. May be sparse
-    (lazy mode), and may be longer than ``sizes["data"]``, never shorter.
+    H x W x C. Records do not overlap; they need not be in index order. Bytes that no record of
+    this generation covers are garbage (records of earlier generations, padding), and gaps read
+    as zero. May be sparse (lazy mode), and may be longer than ``sizes["data"]``, never shorter.
+
+    Generations share a data file by appending: a refresh that keeps the records of unchanged
+    files where they are writes the new and modified records after ``sizes["data"]`` of the
+    generation it refreshes, and publishes a generation whose records point into both parts.
+    A reader of the earlier generation never looks past its own ``sizes["data"]``, so nothing it
+    reads changes. A generation that starts a data file afresh (a first build, other options, or
+    a compaction of the garbage) names it after itself.
 
 ``lock``
     An empty file that writers ``flock``; readers ignore it.
 
-Writers publish a new version by writing the four files of a fresh generation, flushing them to
-disk, then replacing ``manifest.json`` atomically (``os.replace``), then deleting the previous
-generation's files. A reader that already mapped them keeps reading them (POSIX keeps an unlinked
-file alive while it is open), so a rebuild never tears a running job. Given this text, plain numpy
-reads a cache::
+Writers hold the lock, write the files of a fresh generation (index, state and paths, and
+either a new data file or the records appended to the current one), flush them to disk, then
+replace ``manifest.json`` atomically (``os.replace``), then delete the previous generation's
+files (its data file only if the new generation does not share it). A writer that finds a data
+file longer than its generation's ``sizes["data"]`` cuts it back: the rest is what a writer that
+was stopped appended. A reader that already opened a generation's files keeps reading them
+(POSIX keeps an unlinked file alive while it is open), so a rebuild never tears a running job.
+Given this text, plain numpy reads a cache::
 
     m = json.load(open("cache/manifest.json"))
     index = np.fromfile("cache/" + m["files"]["index"], dtype=mmcache.format.INDEX_DTYPE)
@@ -112,7 +127,9 @@ from .errors import (
 logger = logging.getLogger(__name__)
 
 MAGIC = "mmcache"
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (2, 0)
+# Majors this reader reads: 1.x is 2.0 without shared data files.
+READS_MAJORS = (1, 2)
 # The first version whose manifests MUST carry "checksums".
 CHECKSUMS_SINCE = (1, 1)
 MANIFEST_NAME = "manifest.json"
@@ -256,9 +273,20 @@ class Manifest:
     checksums: dict[str, int] | None = None
     # The version the file declares (a newer minor than FORMAT_VERSION reads too).
     format_version: tuple[int, int] = FORMAT_VERSION
+    # The generation whose data file this one's records lie in: its own, or an earlier one's.
+    data_generation: str = ""
+
+    def __post_init__(self) -> None:
+        self.data_generation = self.data_generation or self.generation
 
     def file(self, kind: str) -> Path:
-        return self.path / file_name(kind, self.generation)
+        gen = self.data_generation if kind == "data" else self.generation
+        return self.path / file_name(kind, gen)
+
+    @property
+    def shares_data(self) -> bool:
+        """Whether this generation's records lie in the data file of an earlier generation."""
+        return self.data_generation != self.generation
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
@@ -266,7 +294,7 @@ class Manifest:
             "magic": MAGIC,
             "format_version": list(FORMAT_VERSION),
             "generation": self.generation,
-            "files": {kind: file_name(kind, self.generation) for kind in FILE_KINDS},
+            "files": {kind: self.file(kind).name for kind in FILE_KINDS},
             "sizes": self.sizes,
             "count": self.count,
             "index_dtype": dtype_descr(INDEX_DTYPE),
@@ -358,11 +386,12 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         mpath,
         f"format_version is {version!r}, expected [major, minor]",
     )
-    if version[0] != FORMAT_VERSION[0]:
+    if version[0] not in READS_MAJORS:
         raise _fail(
             mpath,
             f"format version {version[0]}.{version[1]} is not supported by this mmcache "
-            f"(it reads {FORMAT_VERSION[0]}.x); upgrade mmcache or rebuild the cache",
+            f"(it reads {', '.join(f'{v}.x' for v in READS_MAJORS)}); upgrade mmcache or "
+            "rebuild the cache",
         )
     checksums = _check_manifest_checksum(m, tuple(version), mpath)
     gen = m.get("generation")
@@ -373,9 +402,19 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         _expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the version-1 layout")
     files = m.get("files")
     _expect(
-        files == {kind: file_name(kind, gen) for kind in FILE_KINDS},
+        isinstance(files, dict)
+        and set(files) == set(FILE_KINDS)
+        and all(files[kind] == file_name(kind, gen) for kind in FILE_KINDS[:3]),
         mpath,
         "file names do not match the generation",
+    )
+    data_gen = _data_generation(files["data"])
+    # 1.x: the data file is the generation's own; 2.x: it may be an earlier generation's.
+    _expect(
+        data_gen is not None and (version[0] >= 2 or data_gen == gen),
+        mpath,
+        f"data file name {files['data']!r} is not data-<16 hex digits>.bin"
+        + ("" if version[0] >= 2 else " of this generation"),
     )
     sizes = m.get("sizes")
     _expect(
@@ -429,6 +468,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         extra={k: v for k, v in m.items() if k not in known},
         checksums=checksums,
         format_version=(version[0], version[1]),
+        data_generation=data_gen,
     )
 
 
@@ -451,6 +491,14 @@ def _no_manifest(folder: Path) -> str:
         f"{folder}: no finished cache here ({MANIFEST_NAME} is missing: a build was stopped "
         "before it published, or is running now); run `mmcache build` again"
     )
+
+
+def _data_generation(name: Any) -> str | None:
+    """The ``<id>`` of a data file name ``data-<id>.bin``, or None if it is not one."""
+    if not isinstance(name, str) or not is_generation_file_name(name):
+        return None
+    kind, _, rest = name.partition("-")
+    return rest.partition(".")[0] if kind == "data" else None
 
 
 def _check_manifest_checksum(
@@ -824,16 +872,18 @@ def write_generation(
     state: np.ndarray,
     paths_blob: bytes,
     data_bytes: int,
+    data_generation: str | None = None,
 ) -> dict[str, int]:
-    """Write a generation's index, state and paths files, cut its data file to ``data_bytes``,
-    and flush all four to disk; returns the file sizes the manifest records."""
+    """Write a generation's index, state and paths files, cut its data file (its own, or
+    ``data_generation``'s that it shares) to ``data_bytes``, and flush all four to disk;
+    returns the file sizes the manifest records."""
     blobs = {"index": index.tobytes(), "state": state.tobytes(), "paths": paths_blob}
     for kind, blob in blobs.items():
         with open(folder / file_name(kind, generation), "wb") as f:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-    with open(folder / file_name("data", generation), "r+b") as f:
+    with open(folder / file_name("data", data_generation or generation), "r+b") as f:
         f.truncate(data_bytes)
         os.fsync(f.fileno())
     return {**{kind: len(blob) for kind, blob in blobs.items()}, "data": data_bytes}
@@ -925,16 +975,27 @@ def published_generation(folder: Path) -> str | None:
 
 
 def remove_generation(folder: Path, generation: str) -> None:
-    """Delete one generation's four files (those that are there)."""
+    """Delete the files named after ``generation`` (those that are there): a generation that
+    was being written when its writer failed. A data file it appended to is not its own."""
     for kind in FILE_KINDS:
         with suppress(FileNotFoundError):
             os.unlink(folder / file_name(kind, generation))
 
 
+def retire(previous: Manifest, current: Manifest) -> None:
+    """Delete ``previous``'s files once ``current`` is published: its index, state and paths,
+    and its data file unless ``current``'s records lie in it too."""
+    for kind in FILE_KINDS:
+        if kind != "data" or previous.file("data") != current.file("data"):
+            with suppress(FileNotFoundError):
+                os.unlink(previous.file(kind))
+
+
 def remove_stale_generations(folder: Path, current: CacheFiles | None) -> None:
-    """Delete the files of every generation but ``current``'s, and temporary manifests: what
-    killed writers left. Only a writer holding the lock may call it (no other generation is
-    being written then)."""
+    """Delete what killed writers left: the files of every generation but ``current``'s,
+    temporary manifests, and bytes appended to ``current``'s data file past its
+    ``sizes["data"]``. Only a writer holding the lock may call it (no other generation is
+    being written then, and no generation of a longer data file is published)."""
     keep = {MANIFEST_NAME, LOCK_NAME}
     if current is not None:
         keep |= {current.manifest.file(kind).name for kind in FILE_KINDS}
@@ -942,3 +1003,25 @@ def remove_stale_generations(folder: Path, current: CacheFiles | None) -> None:
         if is_cache_file_name(name) and name not in keep:
             with suppress(FileNotFoundError):
                 os.unlink(folder / name)
+    if current is not None:
+        cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
+
+
+def cut_data_file(path: Path, size: int) -> None:
+    """Truncate the data file at ``path`` to ``size`` bytes if it is longer (what a stopped
+    writer appended past the published records)."""
+    with suppress(FileNotFoundError):
+        if os.stat(path).st_size > size:
+            os.truncate(path, size)
+
+
+def extend_data_file(path: Path, size: int) -> None:
+    """Make the data file at ``path`` at least ``size`` bytes long, the new part sparse: room
+    for records to be appended."""
+    if os.stat(path).st_size < size:
+        os.truncate(path, size)
+
+
+def garbage_bytes(files: CacheFiles) -> int:
+    """Bytes of the data file no record of this generation uses (replaced records, padding)."""
+    return max(0, files.manifest.sizes["data"] - int(record_nbytes(files.index).sum()))

@@ -74,6 +74,8 @@ class CacheInfo:
             count; equal when every image has one fixed size (``fixed_size``).
         data_bytes: the data file's size; ``apparent_bytes`` / ``disk_bytes``: all the files of
             this generation, by size and by blocks allocated (less when the data file is sparse).
+        live_bytes / garbage_bytes: the data file's bytes the records use, and the rest
+            (records that refreshes replaced, padding).
         format_version, mode, generation, options, skipped: from the manifest.
         stale: ``None`` when the source is still matched (or absent), else the reason.
         source: the folder or list file the cache was made from; ``source_found``: whether it
@@ -90,6 +92,8 @@ class CacheInfo:
     min_size: tuple[int, int, int] | None
     max_size: tuple[int, int, int] | None
     data_bytes: int
+    live_bytes: int
+    garbage_bytes: int
     apparent_bytes: int
     disk_bytes: int
     format_version: tuple[int, int]
@@ -347,6 +351,8 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         min_size=smallest,
         max_size=largest,
         data_bytes=m.sizes["data"],
+        live_bytes=m.sizes["data"] - fmt.garbage_bytes(files),
+        garbage_bytes=fmt.garbage_bytes(files),
         apparent_bytes=sum(s.st_size for s in stats),
         disk_bytes=sum(s.st_blocks * 512 for s in stats),
         format_version=m.format_version,

@@ -1,9 +1,10 @@
 """Space: the bytes a cache generation takes on disk, and whether its destination has them.
 
-A build writes a whole new generation while the previous one is still on disk (it is deleted only
-after the new manifest is published, see ``mmcache.format``), and it copies reused records into
-the new data file rather than sharing them; so a build needs the new generation's full size free,
-whatever the old cache holds.
+A first build, or one that starts a new data file (other options, a compaction), writes a whole
+new generation while the previous one is still on disk (it is deleted only after the new
+manifest is published, see ``mmcache.format``), so it needs the new generation's full size free,
+whatever the old cache holds. A refresh that appends to the data file needs room for what it
+appends and for the new index, state and paths.
 """
 
 from __future__ import annotations

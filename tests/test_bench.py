@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from bench import METHODS, main, run_bench, write_report  # noqa: E402
+from bench import METHODS, TRAINING_ROWS, main, run_bench, write_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_report_files(report, tmp_path):
 def test_the_tool_on_a_given_folder(small_folder, tmp_path, capsys):
     # Mixed image sizes, resized to one by the build and the baselines alike.
     out = tmp_path / "out"
-    argv = ["--source", str(small_folder), "--epochs", "1", "--workers", "0"]
+    argv = ["--parts", "loading", "--source", str(small_folder), "--epochs", "1", "--workers", "0"]
     argv += ["--size", "32x24", "--batch-size", "4", "--build-workers", "1", "--out", str(out)]
     argv += ["--methods", "decode,in_memory,mmcache,copy_loop", "--workdir", str(tmp_path / "w")]
     assert main(argv) == 0
@@ -88,3 +88,26 @@ def test_the_tool_on_a_given_folder(small_folder, tmp_path, capsys):
 def test_unknown_method_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
         run_bench(methods=["decode", "nope"], workdir=tmp_path)
+
+
+def test_the_training_table_runs_every_row_and_says_why_ffcv_did_not(
+    small_folder, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MMCACHE_FFCV_PYTHON", str(tmp_path / "no-ffcv-here"))
+    out = tmp_path / "out"
+    argv = ["--parts", "training", "--source", str(small_folder), "--training-epochs", "2"]
+    argv += ["--short-side", "40", "--crop", "24", "--training-batch-size", "4", "--workers", "1"]
+    assert main([*argv, "--out", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    data = json.loads((out / "results.json").read_text())["training"]
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == list(TRAINING_ROWS)
+    assert "FFCV environment missing" in rows["ffcv"]["skipped"]
+    for key, row in rows.items():
+        if key != "ffcv":
+            assert len(row["epoch_seconds"]) == 2 and row["images"] == 12, key
+    names = [t["name"] for t in data["targets"]]
+    assert len(names) == 4 and "BatchLoader(crop) / FFCV Loader" in names
+    ffcv_target = next(t for t in data["targets"] if t["name"].endswith("FFCV Loader"))
+    assert ffcv_target["passed"] is None  # not measured, not failed
+    md = (out / "results.md").read_text()
+    assert "## Training pipeline" in md and "| mmcache BatchLoader(crop=" in md

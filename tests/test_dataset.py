@@ -167,8 +167,8 @@ def _rewrite_manifest(cache, **changes):
 
 
 def test_a_newer_format_version_is_refused_at_open(cache):
-    _rewrite_manifest(cache, format_version=[2, 0])
-    with pytest.raises(CacheFormatError, match="format version 2.0 is not supported"):
+    _rewrite_manifest(cache, format_version=[3, 0])
+    with pytest.raises(CacheFormatError, match="format version 3.0 is not supported"):
         MemmapImageDataset(cache)
 
 

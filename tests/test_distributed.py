@@ -93,10 +93,13 @@ def test_two_ranks_build_what_one_process_builds(source, tmp_path):
     assert "up to date" in again.stdout
 
 
-def test_three_ranks_refresh_an_old_cache_with_overflow(source, tmp_path, monkeypatch):
-    build_cache(source, tmp_path / "c3", workers=1)
+def test_three_ranks_refresh_an_old_cache_as_one_process_does_with_overflow(
+    source, tmp_path, monkeypatch
+):
+    for cache in ("c3", "c1"):
+        build_cache(source, tmp_path / cache, workers=1)
     write_image(source / "a" / "img_000.jpg", 30, 20, seed=7)  # modified: decoded again
-    write_image(source / "b" / "new.jpg", 20, 30, seed=8)  # added
+    write_image(source / "b" / "new.jpg", 20, 30, seed=8)  # added, its header unreadable
     os.unlink(source / "a" / "img_001.jpg")  # removed
     run = torchrun(
         3,
@@ -106,20 +109,21 @@ def test_three_ranks_refresh_an_old_cache_with_overflow(source, tmp_path, monkey
         str(tmp_path / "c3"),
         "--workers",
         "1",
-        env={"UNPROBED": "big.png"},
+        env={"UNPROBED": "new.jpg"},
     )
     assert run.returncode == 0, run.stderr
-    assert "reused" in run.stdout
+    assert "reused" in run.stdout and "1 removed" in run.stdout
 
     real_probe = mmcache._layout.probe_size
     monkeypatch.setattr(
-        mmcache._layout, "probe_size", lambda p: None if p.endswith("big.png") else real_probe(p)
+        mmcache._layout, "probe_size", lambda p: None if p.endswith("new.jpg") else real_probe(p)
     )
-    build_cache(source, tmp_path / "c1", workers=1)
+    report = build_cache(source, tmp_path / "c1", workers=1)
+    assert report.appended  # the refresh appended to the data file, as the ranks did
     assert records(tmp_path / "c3") == records(tmp_path / "c1")
     files = fmt.read_cache_files(fmt.read_manifest(tmp_path / "c1"))
-    big = files.paths().index("c/big.png")  # its size came from decoding: appended at the end
-    assert int(files.index["offset"][big]) == int(files.index["offset"].max())
+    new = files.paths().index("b/new.jpg")  # its size came from decoding: appended at the end
+    assert int(files.index["offset"][new]) == int(files.index["offset"].max())
 
 
 @pytest.mark.parametrize("fault", ["raise", "die"])

@@ -837,6 +837,8 @@ def run_training_bench(
     def dataloader(dataset) -> list[float]:
         return time_epochs(dataset, epochs, batch_size=batch_size, workers=workers)
 
+    threads = max(1, workers)  # the thread rows' counterpart of the DataLoader's workers
+
     for key in rows:
         row = MethodResult(key, TRAINING_ROWS[key], images=len(ds))
         gc.collect()
@@ -854,11 +856,11 @@ def run_training_bench(
             else:
                 row.epoch_seconds, report.ffcv = result["epoch_seconds"], result
         elif key == "thread_loop":
-            row.epoch_seconds = _crop_thread_loop(ds, crop, batch_size, workers, epochs, seed)
+            row.epoch_seconds = _crop_thread_loop(ds, crop, batch_size, threads, epochs, seed)
         else:
             loader = mmcache.BatchLoader(
                 ds, batch_size, shuffle=True, seed=seed, crop=crop, flip=True,
-                num_threads=workers,
+                num_threads=threads,
             )  # fmt: skip
             row.epoch_seconds = time_epochs(ds, epochs, batch_size=batch_size, workers=0,
                                             loader=loader)  # fmt: skip
