@@ -62,43 +62,72 @@ def decode_records(
     opts: Options,
     workers: int | None,
     progress: ProgressFn | None = None,
+    pool: DecodePool | None = None,
 ) -> Iterator[Result]:
     """Decode ``jobs`` into the data file at ``data_path``; yields each record's result as it
-    comes, calling ``progress(done, total)`` meanwhile (see ``run_jobs``)."""
+    comes, calling ``progress(done, total)`` meanwhile. With ``pool``, its workers (started
+    earlier) do it; else a pool of ``workers`` for these jobs (see ``DecodePool``).
+    """
     total = sum(len(chunk) for chunk in jobs)
     done = 0
-    for results in run_jobs(jobs, os.fspath(data_path), opts, workers):
-        yield from results
-        done += len(results)
-        if progress is not None:
-            progress(done, total)
+    own = pool is None
+    if own:
+        count = (os.cpu_count() or 1) if workers is None else workers
+        pool = DecodePool(opts, min(count, len(jobs)))
+    try:
+        for results in pool.run(jobs, os.fspath(data_path)):
+            yield from results
+            done += len(results)
+            if progress is not None:
+                progress(done, total)
+    finally:
+        if own:
+            pool.close()
 
 
-def run_jobs(
-    jobs: list[list[Job]], data_path: str, opts: Options, workers: int | None
-) -> Iterator[list[Result]]:
-    """Decode ``jobs`` (chunks of records) in worker processes; yields results as they come.
+class DecodePool:
+    """Decode worker processes, started ahead of the work.
 
-    ``workers``: processes (None: one per core); 0 decodes in this process, without the
-    protection from decoder crashes (for debuggers, profilers and tests that patch the decoder).
+    A build starts them as soon as it knows it has files to decode, so that they are up while
+    it plans the layout and prepares the data file; ``run`` then hands them the jobs.
 
-    Raises:
+    Args:
+        opts: the preprocessing the workers apply.
+        workers: processes (None: one per core); 0 decodes in the calling process, without the
+            protection from decoder crashes (for debuggers, profilers and tests that patch the
+            decoder).
+
+    Raises (from ``run``):
         DecodeWorkerError: workers die at start, or on every file.
         OSError, CacheError: what a worker raised (a full disk, say), after stopping the rest.
     """
-    if not jobs:
-        return
-    if workers == 0:
-        yield from _decode_here(jobs, data_path, opts)
-        return
-    count = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
-    pool = _Pool(data_path, opts)
-    try:
-        for _ in range(count):
-            pool.start_worker()
-        yield from pool.results(deque(jobs))
-    finally:
-        pool.close()
+
+    def __init__(self, opts: Options, workers: int | None) -> None:
+        self.opts = opts
+        self.count = (os.cpu_count() or 1) if workers is None else workers
+        self._pool = _Pool(opts) if self.count else None
+        for _ in range(self.count):
+            self._pool.start_worker()
+
+    def run(self, jobs: list[list[Job]], data_path: str) -> Iterator[list[Result]]:
+        """Decode ``jobs`` (chunks of records) into ``data_path``; yields results as they come."""
+        if not jobs:
+            return
+        if self._pool is None:
+            yield from _decode_here(jobs, data_path, self.opts)
+        else:
+            yield from self._pool.results(deque(jobs), data_path)
+
+    def close(self) -> None:
+        """Stop the workers: at once if the work failed or was interrupted, else when done."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> DecodePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _decode_here(jobs: list[list[Job]], data_path: str, opts: Options) -> Iterator[list[Result]]:
@@ -115,10 +144,10 @@ def _decode_here(jobs: list[list[Job]], data_path: str, opts: Options) -> Iterat
 class _Worker:
     """One worker process, the chunks it holds, and how far into the first one it got."""
 
-    def __init__(self, ctx, data_path: str, options: dict) -> None:
+    def __init__(self, ctx, options: dict) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, args=(child, data_path, options), name="mmcache-decode", daemon=True
+            target=_serve, args=(child, options), name="mmcache-decode", daemon=True
         )
         with _main_script_not_imported():
             self.process.start()
@@ -127,6 +156,7 @@ class _Worker:
         self.chunks: deque[list[Job]] = deque()
         self.done = 0  # records of chunks[0] reported
         self.heard = time.monotonic()  # when it last sent something
+        self.data_path: str | None = None  # the data file it has open
 
     def stop(self, kill: bool = False) -> None:
         if kill:
@@ -136,15 +166,15 @@ class _Worker:
 
 
 class _Pool:
-    def __init__(self, data_path: str, opts: Options) -> None:
+    def __init__(self, opts: Options) -> None:
         # forkserver: workers start from a clean process (no inherited threads or locks from
         # torch or OpenCV in the parent), and the server forks them quickly after the first.
         self.ctx = multiprocessing.get_context("forkserver")
-        # The server imports numpy and OpenCV (most of a worker's imports) once, before it
-        # forks the workers. Not mmcache itself: Python 3.11's server ignores the parent's
-        # sys.path, so it could import another copy (an installed one) than the parent's.
-        self.ctx.set_forkserver_preload(["numpy", "cv2"])
-        self.data_path, self.options = data_path, opts.to_json()
+        # The server imports numpy, OpenCV and this module (a worker's imports) once, before
+        # it forks the workers, with the parent's sys.path: so the same mmcache.
+        self.ctx.set_forkserver_preload(["numpy", "cv2", __name__])
+        self.options = opts.to_json()
+        self.data_path = ""
         self.workers: list[_Worker] = []
         self.start_failures = 0
         self.crashes = 0
@@ -152,9 +182,10 @@ class _Pool:
         self.suspects: dict[int, str] = {}  # record -> how its first try ended
 
     def start_worker(self) -> None:
-        self.workers.append(_Worker(self.ctx, self.data_path, self.options))
+        self.workers.append(_Worker(self.ctx, self.options))
 
-    def results(self, pending: deque[list[Job]]) -> Iterator[list[Result]]:
+    def results(self, pending: deque[list[Job]], data_path: str) -> Iterator[list[Result]]:
+        self.data_path = data_path
         while pending or any(w.chunks for w in self.workers):
             for w in self.workers:
                 self._feed(w, pending)
@@ -176,11 +207,15 @@ class _Pool:
                 yield out
 
     def _feed(self, w: _Worker, pending: deque[list[Job]]) -> None:
-        """Send a ready worker chunks until it holds ``AHEAD`` of them."""
+        """Send a ready worker chunks until it holds ``AHEAD`` of them (and first, the data
+        file to write them into)."""
         while w.ready and len(w.chunks) < AHEAD and pending:
             chunk = pending.popleft()
             try:
-                w.conn.send(chunk)
+                if w.data_path != self.data_path:
+                    w.conn.send(("file", self.data_path))
+                    w.data_path = self.data_path
+                w.conn.send(("chunk", chunk))
             except OSError:  # it just died: the loop finds out from its sentinel
                 pending.appendleft(chunk)
                 return
@@ -221,7 +256,8 @@ class _Pool:
             self.start_failures += 1
             if self.start_failures >= MAX_START_FAILURES:
                 raise DecodeWorkerError(
-                    f"{self.data_path}: decode worker processes die as they start ({why}), "
+                    f"{self.data_path or 'the build'}: decode worker processes die as they "
+                    f"start ({why}), "
                     f"{self.start_failures} in a row; nothing was published"
                 )
         if w.chunks:
@@ -279,15 +315,20 @@ def _death(exitcode: int | None) -> str:
 # --- in the worker process ---------------------------------------------------------------------
 
 
-def _serve(conn, data_path: str, options: dict) -> None:
-    """A worker's life: decode each job of each chunk received, report each record at once."""
+def _serve(conn, options: dict) -> None:
+    """A worker's life: decode each job of each chunk received, report each record at once.
+
+    Messages: ``("file", path)`` (write into this data file from now on), ``("chunk", jobs)``,
+    ``None`` (stop). After each chunk the worker asks the kernel to start writing its records
+    to disk, so that the build's final flush finds little left to do.
+    """
     # Ctrl-C goes to the whole process group; the parent alone decides to stop, then kills the
     # workers, so a worker must not die first in the middle of a pwrite.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)  # one decode per core: parallelism comes from the processes
     keep_freed_memory()
+    fd = -1
     try:
-        fd = os.open(data_path, os.O_WRONLY)
         opts = Options.from_json(options)
         capture = StderrCapture()
     except BaseException as e:
@@ -295,17 +336,50 @@ def _serve(conn, data_path: str, options: dict) -> None:
         return
     conn.send(("ready", None))
     try:
-        while (chunk := conn.recv()) is not None:
-            for job in chunk:
+        while (message := conn.recv()) is not None:
+            kind, value = message
+            if kind == "file":
+                if fd >= 0:
+                    os.close(fd)
+                fd = os.open(value, os.O_WRONLY)
+                continue
+            for job in value:
                 conn.send(("done", _decode_job(fd, opts, capture, *job)))
+            start_writeback(fd, value)
     except EOFError:
         pass  # the parent is gone
     except BaseException as e:
         with suppress(OSError):
             conn.send(("error", _portable(e)))
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         capture.close()
+
+
+def start_writeback(fd: int, chunk: list[Job]) -> None:
+    """Start writing the chunk's records to disk (``sync_file_range``, not waiting for it):
+    the writes of a build reach the disk while it decodes, instead of in one flush at its end.
+    Only a hint: where the call is missing, the final flush does it all."""
+    if _sync_file_range is None or not chunk:
+        return
+    first = min(job[2] for job in chunk)
+    last = max(job[2] + job[3][0] * job[3][1] * job[3][2] for job in chunk)
+    _sync_file_range(fd, first, last - first, _SYNC_FILE_RANGE_WRITE)
+
+
+def _libc_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None."""
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return f
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pages
 
 
 def _decode_job(

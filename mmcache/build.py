@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _writer as writer
 from ._feedback import ProgressFn
-from ._workers import decode_records
+from ._workers import DecodePool, decode_records
 from ._writer import BuildReport
 from .decode import Options
 from .scan import Listing
@@ -185,17 +185,31 @@ def _build_here(request: writer.BuildRequest) -> BuildReport:
     with writer.session(request) as s:
         report = writer.up_to_date_report(s)
         if report is None:
-            g = writer.allocate(s)
-            with writer.discarded_on_failure(g):
-                decoding = time.perf_counter()
-                jobs = g.jobs(g.todo)
-                g.record(decode_records(jobs, g.data_path, request.options, request.workers,
-                                        request.progress))  # fmt: skip
-                decode_seconds = time.perf_counter() - decoding
-                manifest, report = writer.finish(g, s)
-                writer.publish(s, manifest)
-            report.decode_seconds = decode_seconds
+            # A build has files to decode: its workers start now, while it plans the layout
+            # and prepares the data file. (A lazy cache decodes only files of unreadable
+            # headers, if any: its workers start only for them.)
+            pool = None if request.lazy else DecodePool(request.options, request.workers)
+            try:
+                report = _write_generation(s, pool)
+            finally:
+                if pool is not None:
+                    pool.close()
     report.seconds = time.perf_counter() - start
+    return report
+
+
+def _write_generation(s: writer.Session, pool: DecodePool | None) -> BuildReport:
+    request = s.request
+    g = writer.allocate(s)
+    with writer.discarded_on_failure(g):
+        decoding = time.perf_counter()
+        jobs = g.jobs(g.todo)
+        options, workers, progress = request.options, request.workers, request.progress
+        g.record(decode_records(jobs, g.data_path, options, workers, progress, pool))
+        decode_seconds = time.perf_counter() - decoding
+        manifest, report = writer.finish(g, s)
+        writer.publish(s, manifest)
+    report.decode_seconds = decode_seconds
     return report
 
 
