@@ -12,7 +12,8 @@ import pytest
 
 from mmcache import format as fmt
 
-TESTIMAGES = Path(__file__).resolve().parents[2] / "shared" / "testimages"
+# Sixteen real-world files from Pillow's test suite, with their licence (README.md there).
+TESTIMAGES = Path(__file__).resolve().parent / "data" / "testimages"
 
 
 def write_image(path: Path, width: int, height: int, seed: int = 0, quality: int = 90) -> Path:
@@ -55,9 +56,7 @@ def small_folder(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def testimages(tmp_path: Path) -> Path:
-    """A copy of ../shared/testimages as one flat folder (copied: the original is read-only)."""
-    if not TESTIMAGES.is_dir():
-        pytest.skip(f"{TESTIMAGES} is not there (it lies beside the checkout)")
+    """A copy of the real-world test images (the images only), as one flat folder of tmp_path."""
     dst = tmp_path / "testimages"
     dst.mkdir()
     for p in TESTIMAGES.iterdir():

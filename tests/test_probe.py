@@ -16,11 +16,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+from conftest import TESTIMAGES
 from PIL import Image
 
 from mmcache.probe import probe_size
 
-TESTIMAGES = Path(__file__).resolve().parents[2] / "shared" / "testimages"
 SIZES = [(37, 53), (53, 37), (1, 1), (17, 200), (96, 128)]  # (height, width), mostly non-square
 
 
@@ -197,13 +197,11 @@ def tiff_file(
 
 # --- real-world files ---------------------------------------------------------------------------
 
-_NAMES = sorted(p.name for p in TESTIMAGES.iterdir()) if TESTIMAGES.is_dir() else ["(absent)"]
+_NAMES = sorted(p.name for p in TESTIMAGES.iterdir())
 
 
 @pytest.mark.parametrize("name", _NAMES)
 def test_testimages_match_cv2(name: str) -> None:
-    if not TESTIMAGES.is_dir():
-        pytest.skip(f"{TESTIMAGES} is absent (it lies beside the checkout)")
     path = TESTIMAGES / name
     expected = cv2_shape(path)
     got = probe_size(path)
@@ -214,8 +212,6 @@ def test_testimages_match_cv2(name: str) -> None:
 
 
 def test_testimages_probed_without_decoding() -> None:
-    if not TESTIMAGES.is_dir():
-        pytest.skip(f"{TESTIMAGES} is absent (it lies beside the checkout)")
     # The tricky ones are answered from headers, not by falling back to None.
     assert probe_size(TESTIMAGES / "junk_jpeg_header.jpg") == (768, 1024)
     assert probe_size(TESTIMAGES / "truncated_jpeg.jpg") == (100, 100)
