@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,31 @@ import numpy as np
 import pytest
 
 from mmcache import format as fmt
+
+# Markers of the tests that may skip under CI too: they need hardware CI machines lack (or have).
+# Every other skip (no root for a tmpfs, a filesystem that cannot evict, a missing package) is a
+# failure when $CI is set: a required test that did not run has not passed.
+MAY_SKIP = ("needs_cuda", "without_cuda")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if (
+        report.skipped
+        and os.environ.get("CI")
+        and not hasattr(report, "wasxfail")
+        and not any(item.get_closest_marker(name) for name in MAY_SKIP)
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped under CI, and it is a required test: {reason}\n"
+            f"(only tests marked {' or '.join(MAY_SKIP)} may skip when $CI is set)"
+        )
+    return report
+
 
 # Sixteen real-world files from Pillow's test suite, with their licence (README.md there).
 TESTIMAGES = Path(__file__).resolve().parent / "data" / "testimages"

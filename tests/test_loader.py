@@ -288,6 +288,7 @@ def test_bad_arguments(ds):
         iter(BatchLoader(ds, 4, sampler=[0, 24]))
 
 
+@pytest.mark.without_cuda
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the fallback without CUDA")
 def test_pin_memory_without_cuda_falls_back_to_pageable_buffers(ds):
     with pytest.warns(UserWarning, match="pin_memory=True but CUDA is not available"):
@@ -299,6 +300,7 @@ def test_pin_memory_without_cuda_falls_back_to_pageable_buffers(ds):
         BatchLoader(ds, 8, device="cuda")
 
 
+@pytest.mark.needs_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory, a GPU)")
 def test_pinned_buffers_and_asynchronous_copy_to_cuda(ds):
     images, _ = next(iter(BatchLoader(ds, 8, pin_memory=True)))
