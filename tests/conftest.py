@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import cv2
@@ -40,6 +41,20 @@ def pytest_runtest_makereport(item, call):
 
 # Sixteen real-world files from Pillow's test suite, with their licence (README.md there).
 TESTIMAGES = Path(__file__).resolve().parent / "data" / "testimages"
+
+
+def wait_until(predicate, what: str, seconds: float = 30) -> None:
+    """Poll ``predicate`` until it is true; fail, naming ``what``, after ``seconds``.
+
+    Tests wait this way for the event they need (a page brought in by the kernel, a process
+    reaching a state) instead of sleeping a fixed time or timing anything: on 2 shared cores an
+    event comes late, not never, and the generous bound only decides how late is a failure.
+    """
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {seconds:g} s for {what}")
+        time.sleep(0.01)
 
 
 def write_image(path: Path, width: int, height: int, seed: int = 0, quality: int = 90) -> Path:
