@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import zlib
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reference, reseal, write_image
+from conftest import reference, reseal, wait_until, write_image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,44 +129,91 @@ def _served(cache: Path, source: Source, allowed: set[str | None]) -> str | None
 
 
 def _popen(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    """Python with ``args``, in its own process group (killpg reaches its decode workers);
+    stderr goes to a file, read by ``_stderr``: a pipe nobody reads while the test polls could
+    fill up and stop the process."""
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (it lives as long as the process object)
+    proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: killpg reaches the decode workers
+        stderr=err,
+        start_new_session=True,
         env=ENV,
     )
+    proc.err_file = err
+    return proc
 
 
-def _kill_at(proc: subprocess.Popen, seconds: float) -> bool:
-    """SIGKILL the process group after ``seconds``; whether it was still running then."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=seconds)
-    alive = proc.poll() is None
+def _stderr(proc: subprocess.Popen) -> str:
+    """What the ended process wrote to stderr (closes the file)."""
+    with proc.err_file as f:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def _kill_when(proc: subprocess.Popen, reached) -> bool:
+    """SIGKILL the process group as soon as ``reached()`` is true, polled while the process
+    runs; whether the kill landed (the process died of it rather than finishing first)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not reached():
+        assert time.monotonic() < deadline, "the process neither reached the point nor ended"
+        time.sleep(0.001)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    proc.wait()
     _wait_group_gone(proc.pid)
-    return alive
+    err = _stderr(proc)
+    assert proc.returncode in (0, -signal.SIGKILL), err
+    return proc.returncode == -signal.SIGKILL
 
 
 def _wait_group_gone(pgid: int) -> None:
-    deadline = time.monotonic() + 10
-    while subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).stdout:
-        assert time.monotonic() < deadline, "processes of a killed build lived on"
-        time.sleep(0.02)
+    wait_until(
+        lambda: not subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).stdout,
+        "the processes of a killed build to be gone",
+    )
 
 
 def _build_cmd(src: Path, cache: Path, workers: int) -> list[str]:
     return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers)]
 
 
-def _timed_build(src: Path, cache: Path) -> float:
-    start = time.monotonic()
+def _new_files(cache: Path, before: set[str]) -> dict[str, os.stat_result]:
+    """The generation files in ``cache`` that were not there when the build started, by kind."""
+    try:
+        names = set(os.listdir(cache)) - before
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        kind = name.partition("-")[0]
+        if kind in fmt.FILE_KINDS and name.endswith(".bin"):
+            with contextlib.suppress(FileNotFoundError):
+                found[kind] = os.stat(cache / name)
+    return found
+
+
+def _build_point(rng: np.random.Generator, cache: Path):
+    """A point of a build's progress to kill it at, drawn at random, as a function that says
+    whether the build has reached it: a share of the new data file written (0: as soon as it
+    is allocated), or, one time in four, the generation's other files being written, just
+    before it is published. Points, not times: they hold however slow the machine is."""
+    before = set(os.listdir(cache)) if cache.is_dir() else set()
+    if rng.random() < 0.25:
+        return lambda: len(_new_files(cache, before)) > 1
+    share = rng.uniform(0, 1)
+
+    def reached() -> bool:
+        data = _new_files(cache, before).get("data")
+        return data is not None and data.st_blocks * 512 >= share * data.st_size
+
+    return reached
+
+
+def _build(src: Path, cache: Path) -> None:
     proc = _popen(*_build_cmd(src, cache, 1))
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err
-    return time.monotonic() - start
+    code, err = proc.wait(), _stderr(proc)
+    assert code == 0, err
 
 
 def _bins(cache: Path) -> list[str]:
@@ -178,11 +226,11 @@ def _bins(cache: Path) -> list[str]:
 def test_kill_9_during_a_first_build_leaves_no_cache_or_a_whole_one(source, tmp_path, tally):
     rng = np.random.default_rng(SEED)
     cache = tmp_path / "cache"
-    duration = _timed_build(source.roots["A"], tmp_path / "timing")
     kills = 0
     for _ in range(3 * KILLS):  # until KILLS kills landed while the build ran
+        point = _build_point(rng, cache)
         proc = _popen(*_build_cmd(source.roots["A"], cache, int(rng.integers(1, 3))))
-        kills += _kill_at(proc, rng.uniform(0, duration))
+        kills += _kill_when(proc, point)
         _served(cache, source, {None, "A"})
         if cache.is_dir() and (cache / "manifest.json").exists():
             shutil.rmtree(cache)  # next time, a first build again (leftovers of kills stay)
@@ -201,13 +249,14 @@ def test_kill_9_during_a_first_build_leaves_no_cache_or_a_whole_one(source, tmp_
 def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_path, tally):
     rng = np.random.default_rng(SEED + 1)
     cache = tmp_path / "cache"
-    _timed_build(source.roots["A"], cache)
-    duration = _timed_build(source.roots["B"], cache)  # a refresh: reuses, decodes, drops
+    _build(source.roots["A"], cache)
+    _build(source.roots["B"], cache)  # a refresh: reuses, decodes, drops
     current, kills = "B", 0
     for _ in range(3 * KILLS):  # until KILLS kills landed while the refresh ran
         target = "A" if current == "B" else "B"
+        point = _build_point(rng, cache)
         proc = _popen(*_build_cmd(source.roots[target], cache, int(rng.integers(1, 3))))
-        kills += _kill_at(proc, rng.uniform(0, duration))
+        kills += _kill_when(proc, point)
         current = _served(cache, source, {current, target})
         if kills == KILLS:
             break
@@ -745,23 +794,42 @@ def _filled_records_are_right(cache: Path, source: Source, version: str) -> int:
     return len(filled)
 
 
+def _filled_count(cache: Path) -> int | None:
+    """How many records a lazy cache's state file says are FILLED now (None: no cache yet)."""
+    try:
+        m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+        state = np.fromfile(cache / m["files"]["state"], fmt.STATE_DTYPE)
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return int((state["state"] == fmt.FILLED).sum())
+
+
 def test_kill_9_during_a_lazy_fill_leaves_a_partial_cache_that_resumes(source, tmp_path, tally):
     # MemmapImageDataset(cache, source=src) creates the lazy cache when it is missing.
     rng = np.random.default_rng(SEED + 2)
     cache = tmp_path / "cache"
-    start = time.monotonic()
-    proc = _popen("-c", LAZY_FILLER, str(tmp_path / "timing"), str(source.roots["A"]))
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    duration = time.monotonic() - start
-    filled = []
-    for _ in range(KILLS):
+    n = len(source.refs["A"])
+    filled = []  # after each kill: how many records were FILLED, and how many at least
+    for attempt in range(KILLS):
+        # a point of the fill to kill it at: k records filled, some more than now (-1, the first
+        # time: while the cache is being created, once its folder is there)
+        now = _filled_count(cache) or 0
+        k = -1 if attempt == 0 else now + int(rng.integers(0, max(n - now, 1)))
         proc = _popen("-c", LAZY_FILLER, str(cache), str(source.roots["A"]))
-        alive = _kill_at(proc, rng.uniform(0, duration))
+        if k < 0:
+            landed = _kill_when(proc, cache.is_dir)
+        else:
+            landed = _kill_when(proc, lambda k=k: (_filled_count(cache) or 0) >= k)
         if (cache / "manifest.json").exists():
-            filled.append(_filled_records_are_right(cache, source, "A"))
-        tally["kills survived"] += alive
-        tally["kills: lazy fill"] += alive
+            filled.append((_filled_records_are_right(cache, source, "A"), k if landed else n))
+        tally["kills survived"] += landed
+        tally["kills: lazy fill"] += landed
+    assert len(filled) >= KILLS - 1  # after the first kill, the cache was there to kill
+    # a fill killed at k records filled leaves at least k (a killed one never undoes a fill,
+    # it loses at most the records being written), and no kill loses what earlier runs filled
+    assert all(count >= at_least for count, at_least in filled), filled
+    counts = [count for count, _ in filled]
+    assert counts == sorted(counts), filled
     ds = MemmapImageDataset(cache, source=source.roots["A"], on_stale="ignore")
     for i, (path, _) in enumerate(ds.samples):
         assert np.array_equal(ds[i][0], source.refs["A"][os.path.relpath(path, source.roots["A"])])

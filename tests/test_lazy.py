@@ -6,6 +6,7 @@ import errno
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -124,32 +125,30 @@ def test_fills_by_another_process_are_seen_through_this_process_mapping(src, tmp
     assert np.array_equal(ds.read(1), first)
 
 
-def _read_all(cache: Path, src: Path, order, counter=None, pause: float = 0.0) -> None:
+def _read_all(cache: Path, src: Path, order, pause: float = 0.0, then=None) -> None:
+    """Read ``order`` checking each image, then set the event ``then`` and wait for ever."""
     ds = MemmapImageDataset(cache, source=src)
     for i in order:
         img, _ = ds[i]
         if not np.array_equal(img, decode_image(ds.samples[i][0])):
             raise SystemExit(f"wrong pixels for record {i}")
-        if counter is not None:
-            with counter.get_lock():
-                counter.value += 1
         time.sleep(pause)
+    if then is not None:
+        then.set()
+        threading.Event().wait()
 
 
 def test_a_filler_killed_half_way_is_resumed_by_the_next_run(src, tmp_path):
     cache = tmp_path / "cache"
-    done = FORK.Value("i", 0)
-    child = FORK.Process(target=_read_all, args=(cache, src, range(24), done, 0.05))
+    half = FORK.Event()
+    child = FORK.Process(target=_read_all, args=(cache, src, range(12), 0.0, half))
     child.start()
-    deadline = time.monotonic() + 60
-    while done.value < 12:
-        assert child.is_alive() and time.monotonic() < deadline
-        time.sleep(0.002)
+    assert half.wait(timeout=60), "the child never filled its 12 records"
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     assert child.exitcode == -signal.SIGKILL
     codes = _codes(cache)
-    assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
+    assert (codes[:12] == fmt.FILLED).all() and (codes[12:] == fmt.EMPTY).all()
     ds = MemmapImageDataset(cache, source=src)
     assert all(np.array_equal(ds[i][0], decode_image(ds.samples[i][0])) for i in range(24))
     assert_equals_build(cache, src, tmp_path / "ref")
@@ -215,7 +214,7 @@ def test_two_concurrent_fillers_both_finish_with_correct_pixels(src, tmp_path):
     cache = tmp_path / "cache"
     # Both create the cache (one waits for the other's lock), then fill it in opposite orders.
     children = [
-        FORK.Process(target=_read_all, args=(cache, src, order, None, 0.002))
+        FORK.Process(target=_read_all, args=(cache, src, order, 0.002))
         for order in (range(24), range(23, -1, -1))
     ]
     for c in children:
