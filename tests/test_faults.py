@@ -436,6 +436,11 @@ def pristine(tmp_path_factory) -> Path:
     return root / "cache"
 
 
+# The pristine cache's records, in ImageFolder order, as make_folder names them; what each must
+# hold is the reference decode of that file (pristine.parent / "src" / name).
+PRISTINE_FILES = ["a/img_000.png", "a/img_001.png", "b/img_002.png", "b/img_003.png"]
+
+
 def _copy(pristine: Path, dst: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(pristine, dst)
@@ -568,14 +573,23 @@ json_values = st.recursive(
 )
 
 
-def _only_documented_errors(cache: Path) -> str:
-    """Open and read everything; any exception but a CacheError fails the test."""
+def _only_documented_errors(cache: Path, pristine: Path) -> str:
+    """Open and read everything as a training job would, then verify against the source;
+    any exception but a CacheError fails the test. Returns "refused" (a CacheError), "found"
+    (served, but ``verify --source all`` names bad records) or "accepted": then every record
+    served must hold exactly the pixels of its source file, decoded here by the reference."""
     try:
         fmt.open_cache(cache)
-        _open_and_read_all(cache)
-        verify_cache(cache, source="all")
+        images = _open_and_read_all(cache)
+        report = verify_cache(cache, source="all")
     except CacheError:
         return "refused"
+    if not report.ok:
+        return "found"
+    src = pristine.parent / "src"
+    assert len(images) == len(PRISTINE_FILES)
+    for img, name in zip(images, PRISTINE_FILES):
+        assert np.array_equal(img, reference(src / name)), name
     return "accepted"
 
 
@@ -622,7 +636,7 @@ def test_fuzz_manifest_values(pristine, scratch, tally, data):
     if data.draw(st.booleans()):
         with contextlib.suppress(ValueError, TypeError, KeyError):
             reseal(cache)
-    _fuzzed(tally, "manifest values", _only_documented_errors(cache))
+    _fuzzed(tally, "manifest values", _only_documented_errors(cache, pristine))
 
 
 @fuzz_settings
@@ -630,7 +644,7 @@ def test_fuzz_manifest_values(pristine, scratch, tally, data):
 def test_fuzz_manifest_bytes(pristine, scratch, tally, raw):
     cache = _copy(pristine, scratch)
     (cache / "manifest.json").write_bytes(raw)
-    outcome = _only_documented_errors(cache)
+    outcome = _only_documented_errors(cache, pristine)
     assert outcome == "refused"  # no random bytes or JSON are a valid manifest
     _fuzzed(tally, "manifest bytes", outcome)
 
@@ -668,7 +682,7 @@ def test_fuzz_index_state_and_paths(pristine, scratch, tally, data):
     state.tofile(_file(cache, "state"))
     _file(cache, "paths").write_bytes(bytes(blob))
     reseal(cache)
-    _fuzzed(tally, "index, state, paths", _only_documented_errors(cache))
+    _fuzzed(tally, "index, state, paths", _only_documented_errors(cache, pristine))
 
 
 # --- concurrent processes ---------------------------------------------------------------------
