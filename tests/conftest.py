@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -55,6 +57,27 @@ def wait_until(predicate, what: str, seconds: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {seconds:g} s for {what}")
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A small tmpfs mounted at ``path`` (``size`` as mount takes it: "8m"), unmounted after.
+
+    Needs root (CAP_SYS_ADMIN): skips otherwise, a skip that fails the run under $CI, where
+    these tests are required (.ci/run runs as root).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def write_image(path: Path, width: int, height: int, seed: int = 0, quality: int = 90) -> Path:

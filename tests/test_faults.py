@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reference, reseal, wait_until, write_image
+from conftest import reference, reseal, tmpfs, wait_until, write_image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,23 +271,6 @@ def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_pat
 # --- full and read-only disks ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str):
-    """A small tmpfs at ``path`` (needs root and CAP_SYS_ADMIN: skips otherwise)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 def _fill(disk: Path, leave: int) -> None:
     """Fill the filesystem but ``leave`` bytes."""
     free = os.statvfs(disk)
@@ -303,7 +286,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         (small / rel).parent.mkdir(parents=True, exist_ok=True)
         os.link(source.roots["A"] / rel, small / rel)
     need = build_cache(source.roots["B"], tmp_path / "measure", workers=1).bytes
-    with _tmpfs(tmp_path / "disk", "12m") as disk:
+    with tmpfs(tmp_path / "disk", "12m") as disk:
         cache = disk / "cache"
 
         def rebuild_small() -> dict[str, bytes]:
@@ -348,7 +331,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
 
 
 def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
-    with _tmpfs(tmp_path / "disk", "8m") as disk:
+    with tmpfs(tmp_path / "disk", "8m") as disk:
         cache = disk / "cache"
         build_cache(source.roots["A"], cache, workers=1)
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
