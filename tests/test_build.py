@@ -6,9 +6,11 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from mmcache import (
     build_cache,
 )
 from mmcache import format as fmt
+from mmcache.cli import main
 
 
 def test_build_report_and_files(small_folder, tmp_path):
@@ -98,6 +101,40 @@ def test_images_above_the_pixel_limit_are_refused_without_decoding(tmp_path, mon
     assert [s["path"] for s in report.skipped] == ["big.png"]
     assert "pixels" in report.skipped[0]["reason"]
     assert [Path(p).name for p in decoded] == ["ok.png"]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """An 8-bit RGB PNG of that size whose image data is not zlib data: its header reads as
+    a sound PNG, its decoding fails at once."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        body = kind + payload
+        return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return b"\x89PNG\r\n\x1a\n" + ihdr + chunk(b"IDAT", b"junk") + chunk(b"IEND", b"")
+
+
+def test_the_default_pixel_limit_is_pillows(tmp_path, capsys):
+    # The README: --max-pixels "default 89,478,485, Pillow's decompression-bomb limit": an image
+    # of one pixel more is refused from its header; one of exactly that many is not (it is
+    # decoded, and found undecodable: these two have no real pixel data).
+    src = tmp_path / "src"
+    write_image(src / "ok.png", 20, 20)
+    (src / "over.png").write_bytes(_png_header(87211, 1026))  # 89,478,486 pixels
+    (src / "at.png").write_bytes(_png_header(16385, 5461))  # 89,478,485 pixels
+    assert 87211 * 1026 == 89_478_486 and 16385 * 5461 == 89_478_485
+    report = build_cache(src, tmp_path / "cache", workers=1)
+    skipped = {s["path"]: s for s in report.skipped}
+    assert report.images == 1 and sorted(skipped) == ["at.png", "over.png"]
+    assert skipped["over.png"]["state"] == fmt.BAD_TOO_LARGE
+    assert "pixels" in skipped["over.png"]["reason"]
+    assert skipped["at.png"]["state"] == fmt.BAD_UNDECODABLE
+    # the command line applies the same default
+    assert main(["build", str(src), str(tmp_path / "cli"), "--workers", "1"]) == 0
+    assert "skipped over.png" in capsys.readouterr().out
+    cli = fmt.read_manifest(tmp_path / "cli")
+    assert cli.skipped == fmt.read_manifest(tmp_path / "cache").skipped
 
 
 def test_an_unchanged_source_is_a_no_op(small_folder, tmp_path):
@@ -253,6 +290,84 @@ def test_ctrl_c_stops_the_build_and_its_workers_promptly(big_folder, tmp_path):
     with pytest.raises(CacheNotFoundError):
         MemmapImageDataset(cache)
     assert not cache.exists()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from mmcache import build_cache
+src, cache, flags = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+
+def pause_once(done, total):  # called while decoding, so while this build holds the lock
+    if not (flags / "holding").exists():
+        (flags / "holding").touch()
+        deadline = time.monotonic() + 120
+        while not (flags / "release").exists():
+            assert time.monotonic() < deadline, "never released"
+            time.sleep(0.01)
+
+build_cache(src, cache, workers=1, progress=pause_once)
+(flags / "published").touch()
+"""
+
+
+def _waiting_for_lock(pid: int, lock: Path) -> bool:
+    """Whether process ``pid`` is blocked waiting for a lock on ``lock`` (``/proc/locks``
+    lists each waiter after "->", with its pid and the file's device:inode)."""
+    inode = os.stat(lock).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        waiter = len(fields) > 6 and fields[1] == "->" and fields[5] == str(pid)
+        if waiter and int(fields[6].rsplit(":", 1)[1]) == inode:
+            return True
+    return False
+
+
+def test_builds_of_one_cache_take_turns_on_the_lock(small_folder, tmp_path):
+    # The README: "Builds of one cache take a lock and run one after the other". The first build
+    # stops while decoding (holding the lock) until the test releases it; the second, of the same
+    # source, must wait for the lock, and then find the first one's cache up to date.
+    cache, flags = tmp_path / "cache", tmp_path / "flags"
+    flags.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(small_folder), str(cache), str(flags)],
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    second = None
+    try:
+        wait_until(lambda: (flags / "holding").exists() or first.poll() is not None, "the hold")
+        assert first.poll() is None, first.communicate()
+        second = subprocess.Popen(
+            [sys.executable, "-m", "mmcache", "build", str(small_folder), str(cache)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        wait_until(
+            lambda: (
+                _waiting_for_lock(second.pid, cache / fmt.LOCK_NAME) or second.poll() is not None
+            ),
+            "the second build to wait for the lock",
+        )
+        assert second.poll() is None, second.communicate()
+        assert not (cache / fmt.MANIFEST_NAME).exists()  # nothing published yet
+        (flags / "release").touch()
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err
+    finally:
+        (flags / "release").touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (flags / "published").exists()
+    # it ran after the first had published: it found the cache up to date, decoding nothing
+    assert b"up to date" in out
+    assert len(MemmapImageDataset(cache)) == 12
 
 
 def test_cache_folder_can_be_moved_as_a_unit(small_folder, tmp_path):

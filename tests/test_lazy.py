@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -426,3 +427,37 @@ def test_a_pickled_lazy_dataset_fills_in_the_new_process(src, tmp_path):
     assert np.array_equal(copy[7][0], decode_image(ds.samples[7][0]))
     assert _codes(tmp_path / "cache")[7] == fmt.FILLED
     assert torch.equal(torch.from_numpy(ds[7][0]), torch.from_numpy(copy[7][0]))
+
+
+def test_a_lazy_cache_refuses_to_start_without_the_free_space(tmp_path):
+    # The README: "a lazy cache refuse[s] to start when the destination lacks that space (one
+    # line with both numbers; --force overrides)". Its data file is sparse, but it will fill.
+    from conftest import tmpfs
+
+    from mmcache import plan_cache
+
+    src = make_folder(tmp_path / "big", {"a": [(1500, 1000)] * 3})  # 13.5 MB of pixels
+    with tmpfs(tmp_path / "fs", "8m") as disk:
+        cache = disk / "cache"
+        needed = plan_cache(src, cache).build.disk_bytes
+        free = shutil.disk_usage(disk).free
+        assert needed > 8 << 20 >= free
+        with pytest.raises(InsufficientSpaceError) as e:
+            MemmapImageDataset(cache, source=src)
+        message = str(e.value)
+        assert f"{needed:,} bytes" in message and f"{free:,} bytes" in message
+        assert "\n" not in message and "force" in message
+        assert not cache.exists() or os.listdir(cache) == []  # nothing written, no manifest
+        with pytest.raises(InsufficientSpaceError):
+            create_lazy_cache(src, cache)
+        # Forced, it starts; the disk then fills at the first record that does not fit, which
+        # stays empty: a clear error, no record half-written as filled.
+        create_lazy_cache(src, cache, force=True)
+        ds = MemmapImageDataset(cache, source=src)
+        assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))  # 4.5 MB: fits
+        with pytest.raises(InsufficientSpaceError, match="disk is full"):
+            for i in range(1, 3):
+                ds[i]
+        codes = _codes(cache)
+        assert codes[0] == fmt.FILLED and fmt.EMPTY in codes[1:]
+        assert set(codes[1:]) <= {fmt.FILLED, fmt.EMPTY}
