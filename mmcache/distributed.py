@@ -149,6 +149,8 @@ class _Channel:
             fn(*args, group=self.group, **kwargs)
         except RuntimeError as e:  # gloo: a peer closed its connections, or the timeout passed
             self.broken = True
+            if isinstance(e, CacheError):
+                raise  # ours, raised while waiting (torchrun's SIGTERM): it says what happened
             raise DistributedBuildError(
                 f"rank {self.rank}: lost contact with the other ranks ({_gist(e)}): a rank died, "
                 f"failed or timed out; {_NOTHING_PUBLISHED}"

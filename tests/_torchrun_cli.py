@@ -3,7 +3,9 @@
 Environment: ``FAULT=raise`` makes rank 1 raise after decoding its first chunk, ``FAULT=die``
 makes it exit at once without a word (as a killed process would); ``UNPROBED=name`` makes the
 header probe fail for files of that name, so their size is learnt only by decoding (the
-overflow path). Faults need ``--workers 0``: decoding then runs in the rank's own process.
+overflow path). These need ``--workers 0``: decoding then runs in the rank's own process.
+``FAULT=hang`` makes rank 1 hang, for ever, where it would send its decoded share to rank 0
+(``torch.distributed.gather_object``), as a rank stuck on a dead filesystem would.
 """
 
 import os
@@ -17,7 +19,13 @@ fault, unprobed = os.environ.get("FAULT"), os.environ.get("UNPROBED")
 if unprobed:
     real_probe = layout.probe_size
     layout.probe_size = lambda p: None if os.path.basename(p) == unprobed else real_probe(p)
-if fault and os.environ.get("RANK") == "1":
+if fault == "hang" and os.environ.get("RANK") == "1":
+    import threading
+
+    import torch.distributed
+
+    torch.distributed.gather_object = lambda *args, **kwargs: threading.Event().wait()
+elif fault and os.environ.get("RANK") == "1":
     real_decode = workers._decode_here
 
     def failing_decode(jobs, data_path, opts):

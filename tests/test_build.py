@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, opened_file, write_image
+from conftest import make_folder, opened_file, wait_until, write_image
 
 from mmcache import (
     CacheNotFoundError,
@@ -26,6 +29,7 @@ from mmcache import (
     build_cache,
 )
 from mmcache import format as fmt
+from mmcache.cli import main
 
 
 def test_build_report_and_files(small_folder, tmp_path):
@@ -100,6 +104,40 @@ def test_images_above_the_pixel_limit_are_refused_without_decoding(tmp_path, mon
     assert [s["path"] for s in report.skipped] == ["big.png"]
     assert "pixels" in report.skipped[0]["reason"]
     assert [Path(p).name for p in decoded] == ["ok.png"]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """An 8-bit RGB PNG of that size whose image data is not zlib data: its header reads as
+    a sound PNG, its decoding fails at once."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        body = kind + payload
+        return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return b"\x89PNG\r\n\x1a\n" + ihdr + chunk(b"IDAT", b"junk") + chunk(b"IEND", b"")
+
+
+def test_the_default_pixel_limit_is_pillows(tmp_path, capsys):
+    # The README: --max-pixels "default 89,478,485, Pillow's decompression-bomb limit": an image
+    # of one pixel more is refused from its header; one of exactly that many is not (it is
+    # decoded, and found undecodable: these two have no real pixel data).
+    src = tmp_path / "src"
+    write_image(src / "ok.png", 20, 20)
+    (src / "over.png").write_bytes(_png_header(87211, 1026))  # 89,478,486 pixels
+    (src / "at.png").write_bytes(_png_header(16385, 5461))  # 89,478,485 pixels
+    assert 87211 * 1026 == 89_478_486 and 16385 * 5461 == 89_478_485
+    report = build_cache(src, tmp_path / "cache", workers=1)
+    skipped = {s["path"]: s for s in report.skipped}
+    assert report.images == 1 and sorted(skipped) == ["at.png", "over.png"]
+    assert skipped["over.png"]["state"] == fmt.BAD_TOO_LARGE
+    assert "pixels" in skipped["over.png"]["reason"]
+    assert skipped["at.png"]["state"] == fmt.BAD_UNDECODABLE
+    # the command line applies the same default
+    assert main(["build", str(src), str(tmp_path / "cli"), "--workers", "1"]) == 0
+    assert "skipped over.png" in capsys.readouterr().out
+    cli = fmt.read_manifest(tmp_path / "cli")
+    assert cli.skipped == fmt.read_manifest(tmp_path / "cache").skipped
 
 
 def test_an_unchanged_source_is_a_no_op(small_folder, tmp_path):
@@ -177,21 +215,31 @@ def _build_in_subprocess(src: Path, cache: Path, *args: str) -> subprocess.Popen
     )
 
 
-def _wait_for_data_file(cache: Path, proc: subprocess.Popen, min_bytes: int) -> None:
-    """Wait until the build has started writing pixels of a new generation."""
+def _data_blocks(cache: Path) -> dict[str, int]:
+    """Bytes allocated to each data file of ``cache`` now (a sparse file grows as it is written)."""
+    if not cache.is_dir():
+        return {}
+    found = {}
+    for name in os.listdir(cache):
+        if name.startswith("data-"):
+            with contextlib.suppress(FileNotFoundError):
+                found[name] = os.stat(cache / name).st_blocks * 512
+    return found
+
+
+def _wait_for_data_file(
+    cache: Path, proc: subprocess.Popen, min_bytes: int, before: dict[str, int] | None = None
+) -> Path:
+    """Wait until the build has written ``min_bytes`` of pixels, into a new data file or
+    appended to the current one (``before``: the data files' bytes when it started); returns
+    the file it writes."""
+    before = before or {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if cache.is_dir():
-            names = [n for n in os.listdir(cache) if n.startswith("data-")]
-            current = (
-                json.loads((cache / "manifest.json").read_text())["files"]["data"]
-                if (cache / "manifest.json").exists()
-                else None
-            )
-            for n in names:
-                if n != current and os.stat(cache / n).st_blocks * 512 >= min_bytes:
-                    return
+        for name, allocated in _data_blocks(cache).items():
+            if allocated - before.get(name, 0) >= min_bytes:
+                return cache / name
         time.sleep(0.02)
     raise AssertionError("the build never started writing")
 
@@ -215,8 +263,9 @@ def test_a_killed_build_leaves_the_previous_cache_intact(big_folder, small_folde
     cache = tmp_path / "cache"
     build_cache(small_folder, cache, workers=1)
     before = [MemmapImageDataset(cache)[i][0].copy() for i in range(12)]
+    data_before = _data_blocks(cache)
     proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
-    _wait_for_data_file(cache, proc, 1 << 20)
+    _wait_for_data_file(cache, proc, 1 << 20, data_before)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     ds = MemmapImageDataset(cache, on_stale="ignore")
@@ -240,21 +289,114 @@ def test_a_killed_first_build_leaves_nothing_a_reader_accepts(big_folder, tmp_pa
 
 def test_ctrl_c_stops_the_build_and_its_workers_promptly(big_folder, tmp_path):
     cache = tmp_path / "cache"
-    proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
-    _wait_for_data_file(cache, proc, 1 << 20)
+    # A shell starts a background job (pytest under `cmd &`, nohup, some CI runners) with SIGINT
+    # ignored; a child inherits that and Python then leaves it ignored, so Ctrl-C could not
+    # reach the build at all. Start it as a terminal's foreground job is: SIGINT by default.
+    # (A Python handler here becomes the default disposition in the child.)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    data = _wait_for_data_file(cache, proc, 1 << 20)
+    # A second name for the new data file: the build deletes its own when it stops, this one
+    # keeps the file, to see afterwards how much of it the workers had written.
+    os.link(data, tmp_path / "kept.bin")
+    at_signal = os.stat(data).st_blocks * 512
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: the whole process group
-    start = time.monotonic()
-    _, err = proc.communicate(timeout=30)
-    assert time.monotonic() - start < 5
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert b"Traceback" not in err
-    deadline = time.monotonic() + 5
-    while alive := subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
-        assert time.monotonic() < deadline, f"processes left: {alive}"
-        time.sleep(0.05)
+
+    def group_gone() -> bool:
+        return not subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout
+
+    wait_until(group_gone, "the build's workers to exit")
+    # "At once", not after the work queued: after the signal, the workers wrote at most the
+    # records they were writing (2 of 120 records, 5.76 MB each), far from the rest.
+    kept = (tmp_path / "kept.bin").stat()
+    assert kept.st_blocks * 512 - at_signal < (kept.st_size - at_signal) // 4
     with pytest.raises(CacheNotFoundError):
         MemmapImageDataset(cache)
     assert not cache.exists()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from mmcache import build_cache
+src, cache, flags = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+
+def pause_once(done, total):  # called while decoding, so while this build holds the lock
+    if not (flags / "holding").exists():
+        (flags / "holding").touch()
+        deadline = time.monotonic() + 120
+        while not (flags / "release").exists():
+            assert time.monotonic() < deadline, "never released"
+            time.sleep(0.01)
+
+build_cache(src, cache, workers=1, progress=pause_once)
+(flags / "published").touch()
+"""
+
+
+def _waiting_for_lock(pid: int, lock: Path) -> bool:
+    """Whether process ``pid`` is blocked waiting for a lock on ``lock`` (``/proc/locks``
+    lists each waiter after "->", with its pid and the file's device:inode)."""
+    inode = os.stat(lock).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        waiter = len(fields) > 6 and fields[1] == "->" and fields[5] == str(pid)
+        if waiter and int(fields[6].rsplit(":", 1)[1]) == inode:
+            return True
+    return False
+
+
+def test_builds_of_one_cache_take_turns_on_the_lock(small_folder, tmp_path):
+    # The README: "Builds of one cache take a lock and run one after the other". The first build
+    # stops while decoding (holding the lock) until the test releases it; the second, of the same
+    # source, must wait for the lock, and then find the first one's cache up to date.
+    cache, flags = tmp_path / "cache", tmp_path / "flags"
+    flags.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(small_folder), str(cache), str(flags)],
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    second = None
+    try:
+        wait_until(lambda: (flags / "holding").exists() or first.poll() is not None, "the hold")
+        assert first.poll() is None, first.communicate()
+        second = subprocess.Popen(
+            [sys.executable, "-m", "mmcache", "build", str(small_folder), str(cache)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        wait_until(
+            lambda: (
+                _waiting_for_lock(second.pid, cache / fmt.LOCK_NAME) or second.poll() is not None
+            ),
+            "the second build to wait for the lock",
+        )
+        assert second.poll() is None, second.communicate()
+        assert not (cache / fmt.MANIFEST_NAME).exists()  # nothing published yet
+        (flags / "release").touch()
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err
+    finally:
+        (flags / "release").touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (flags / "published").exists()
+    # it ran after the first had published: it found the cache up to date, decoding nothing
+    assert b"up to date" in out
+    assert len(MemmapImageDataset(cache)) == 12
 
 
 def test_cache_folder_can_be_moved_as_a_unit(small_folder, tmp_path):

@@ -36,22 +36,25 @@ def test_build_lists_skipped_files(testimages, tmp_path, capsys):
     assert "warning truncated_jpeg.jpg: Premature end of JPEG file" in out
 
 
+# The README: a missing or empty source, no images, an unwritable destination, or a path that
+# is not an mmcache cache: "one line, `mmcache: error: ...`, exit status 1". An option value out
+# of range is a usage error, exit status 2, as argparse gives for a malformed one.
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "status"),
     [
-        (["build", "{tmp}/missing", "{tmp}/c"], "source not found"),
-        (["build", "{tmp}", "{tmp}/c"], "no images found"),
-        (["build", "{src}", "{src}"], "is not an mmcache cache"),
-        (["build", "{src}", "/proc/nope"], "cannot write the cache here"),
-        (["build", "{src}", "{tmp}/c", "--max-side", "0"], "expected a positive whole number"),
+        (["build", "{tmp}/missing", "{tmp}/c"], "source not found", 1),
+        (["build", "{tmp}", "{tmp}/c"], "no images found", 1),
+        (["build", "{src}", "{src}"], "is not an mmcache cache", 1),
+        (["build", "{src}", "/proc/nope"], "cannot write the cache here", 1),
+        (["build", "{src}", "{tmp}/c", "--max-side", "0"], "expected a positive whole number", 2),
     ],
 )
-def test_user_mistakes_are_one_line_errors(small_folder, tmp_path, capsys, args, message):
+def test_user_mistakes_are_one_line_errors(small_folder, tmp_path, capsys, args, message, status):
     args = [a.format(tmp=tmp_path / "empty", src=small_folder) for a in args]
     (tmp_path / "empty").mkdir()
     code = main(args)
     err = capsys.readouterr().err
-    assert code != 0
+    assert code == status
     assert err.startswith("mmcache: error: ") and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 

@@ -163,6 +163,66 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_cache(source, tmp_pat
         assert "Traceback" not in errors[0]
 
 
+def test_a_hung_rank_fails_every_rank_after_the_dist_timeout(source, tmp_path):
+    # The README: "A rank that fails, dies or hangs fails the build on every rank with one line,
+    # and the previous cache stays intact"; --dist-timeout: "how long a rank may go silent
+    # before the build fails". Rank 1 decodes its share, then hangs for ever instead of sending
+    # it: with --dist-timeout 15, rank 0 must give up and say so in one line (a timeout not
+    # applied would hang until torchrun's 180 s limit here), and torchrun then stops rank 1,
+    # which says why in one line too. (15 s, not less: every step waits that long for the other
+    # rank, joining the group included, and on 2 busy cores one rank can start seconds late.)
+    cache = tmp_path / "cache"
+    build_cache(source, cache, workers=1)
+    before, names = records(cache), set(os.listdir(cache))
+    write_image(source / "a" / "new.jpg", 20, 20, seed=5)  # so the build has work to do
+    logs = tmp_path / "logs"
+    args = ["build", str(source), str(cache), "--workers", "1", "--dist-timeout", "15"]
+    run = torchrun(2, str(HERE / "_torchrun_cli.py"), *args, env={"FAULT": "hang"}, log_dir=logs)
+    assert run.returncode == 1, run.stderr
+    assert records(cache) == before and set(os.listdir(cache)) == names
+    errors = rank_logs(logs, "stderr")
+    assert sorted(errors) == [0, 1]
+    for rank, text in errors.items():
+        lines = [line for line in text.splitlines() if line.startswith("mmcache: error:")]
+        assert len(lines) == 1 and f"rank {rank}" in lines[0], text
+        assert "Traceback" not in text and lines[0].count("nothing was published") == 1
+    assert "Timed out" in errors[0] or "timed out" in errors[0], errors[0]
+
+
+PYTHON_BUILD = """
+import json, sys
+import torch.distributed as dist
+import mmcache
+
+calls = []
+for name in ("scatter_object_list", "gather_object", "broadcast_object_list"):
+    real = getattr(dist, name)
+    setattr(dist, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+dist.init_process_group("gloo")
+report = mmcache.build_cache(sys.argv[1], sys.argv[2], workers=1)
+print(json.dumps({"rank": dist.get_rank(), "images": report.images, "calls": calls}))
+dist.destroy_process_group()
+"""
+
+
+def test_build_cache_from_python_under_a_process_group_builds_with_every_rank(source, tmp_path):
+    # The README: "From Python, build_cache does the same when a process group is initialised":
+    # each rank calls build_cache alone; together they build, with the three collective steps,
+    # the cache one process builds, and each rank gets the same report.
+    script = tmp_path / "train.py"
+    script.write_text(PYTHON_BUILD)
+    logs = tmp_path / "logs"  # each rank's stdout apart: torchrun's own may interleave them
+    run = torchrun(2, str(script), str(source), str(tmp_path / "c2"), log_dir=logs)
+    assert run.returncode == 0, run.stderr
+    lines = {rank: json.loads(text) for rank, text in rank_logs(logs, "stdout").items()}
+    assert sorted(lines) == [0, 1]
+    for rank, r in lines.items():
+        assert r["rank"] == rank and r["images"] == 41
+        assert r["calls"] == ["scatter_object_list", "gather_object", "broadcast_object_list"]
+    build_cache(source, tmp_path / "c1", workers=1, distributed=False)
+    assert records(tmp_path / "c2") == records(tmp_path / "c1")
+
+
 def test_the_ddp_example_builds_together_then_trains_and_resumes(tmp_path):
     args = ["--workdir", str(tmp_path / "work"), "--images", "32", "--epochs", "2"]
     args += ["--size", "32", "--batch-size", "4", "--checkpoint", str(tmp_path / "ckpt.pt")]

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import zlib
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import opened_file, reference, reseal, write_image
+from conftest import opened_file, reference, reseal, tmpfs, wait_until, write_image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,44 +129,112 @@ def _served(cache: Path, source: Source, allowed: set[str | None]) -> str | None
 
 
 def _popen(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    """Python with ``args``, in its own process group (killpg reaches its decode workers);
+    stderr goes to a file, read by ``_stderr``: a pipe nobody reads while the test polls could
+    fill up and stop the process."""
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (it lives as long as the process object)
+    proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: killpg reaches the decode workers
+        stderr=err,
+        start_new_session=True,
         env=ENV,
     )
+    proc.err_file = err
+    return proc
 
 
-def _kill_at(proc: subprocess.Popen, seconds: float) -> bool:
-    """SIGKILL the process group after ``seconds``; whether it was still running then."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=seconds)
-    alive = proc.poll() is None
+def _stderr(proc: subprocess.Popen) -> str:
+    """What the ended process wrote to stderr (closes the file)."""
+    with proc.err_file as f:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def _kill_when(proc: subprocess.Popen, reached) -> bool:
+    """SIGKILL the process group as soon as ``reached()`` is true, polled while the process
+    runs; whether the kill landed (the process died of it rather than finishing first)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not reached():
+        assert time.monotonic() < deadline, "the process neither reached the point nor ended"
+        time.sleep(0.001)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    proc.wait()
     _wait_group_gone(proc.pid)
-    return alive
+    err = _stderr(proc)
+    assert proc.returncode in (0, -signal.SIGKILL), err
+    return proc.returncode == -signal.SIGKILL
 
 
 def _wait_group_gone(pgid: int) -> None:
-    deadline = time.monotonic() + 10
-    while subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).stdout:
-        assert time.monotonic() < deadline, "processes of a killed build lived on"
-        time.sleep(0.02)
+    wait_until(
+        lambda: not subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).stdout,
+        "the processes of a killed build to be gone",
+    )
 
 
 def _build_cmd(src: Path, cache: Path, workers: int) -> list[str]:
     return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers)]
 
 
-def _timed_build(src: Path, cache: Path) -> float:
-    start = time.monotonic()
+def _new_files(cache: Path, before: set[str]) -> dict[str, os.stat_result]:
+    """The generation files in ``cache`` that were not there when the build started, by kind."""
+    try:
+        names = set(os.listdir(cache)) - before
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        kind = name.partition("-")[0]
+        if kind in fmt.FILE_KINDS and name.endswith(".bin"):
+            with contextlib.suppress(FileNotFoundError):
+                found[kind] = os.stat(cache / name)
+    return found
+
+
+def _build_point(rng: np.random.Generator, cache: Path):
+    """A point of a build's progress to kill it at, drawn at random, as a function that says
+    whether the build has reached it: a share of the pixels it writes written (into a new data
+    file, or appended to the current one; 0: as soon as the room for them is made), or, one
+    time in four, the generation's other files being written, just before it is published.
+    Points, not times: they hold however slow the machine is."""
+    before = set(os.listdir(cache)) if cache.is_dir() else set()
+    current = _current_data(cache)
+    if rng.random() < 0.25:
+        return lambda: len({k for k in _new_files(cache, before) if k != "data"}) > 0
+    share = rng.uniform(0, 1)
+
+    def reached() -> bool:
+        data = _new_files(cache, before).get("data")
+        if data is not None:
+            return data.st_blocks * 512 >= share * data.st_size
+        if current is None:
+            return False
+        path, size0, allocated0 = current
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(path)
+            grown = now.st_size - size0
+            return grown > 0 and now.st_blocks * 512 - allocated0 >= share * grown
+        return False
+
+    return reached
+
+
+def _current_data(cache: Path) -> tuple[Path, int, int] | None:
+    """The published generation's data file, its size and the bytes allocated to it, or None."""
+    try:
+        path = fmt.read_manifest(cache).file("data")
+        st = os.stat(path)
+    except (CacheError, FileNotFoundError):
+        return None
+    return path, st.st_size, st.st_blocks * 512
+
+
+def _build(src: Path, cache: Path) -> None:
     proc = _popen(*_build_cmd(src, cache, 1))
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err
-    return time.monotonic() - start
+    code, err = proc.wait(), _stderr(proc)
+    assert code == 0, err
 
 
 def _bins(cache: Path) -> list[str]:
@@ -178,11 +247,11 @@ def _bins(cache: Path) -> list[str]:
 def test_kill_9_during_a_first_build_leaves_no_cache_or_a_whole_one(source, tmp_path, tally):
     rng = np.random.default_rng(SEED)
     cache = tmp_path / "cache"
-    duration = _timed_build(source.roots["A"], tmp_path / "timing")
     kills = 0
     for _ in range(3 * KILLS):  # until KILLS kills landed while the build ran
+        point = _build_point(rng, cache)
         proc = _popen(*_build_cmd(source.roots["A"], cache, int(rng.integers(1, 3))))
-        kills += _kill_at(proc, rng.uniform(0, duration))
+        kills += _kill_when(proc, point)
         _served(cache, source, {None, "A"})
         if cache.is_dir() and (cache / "manifest.json").exists():
             shutil.rmtree(cache)  # next time, a first build again (leftovers of kills stay)
@@ -201,13 +270,14 @@ def test_kill_9_during_a_first_build_leaves_no_cache_or_a_whole_one(source, tmp_
 def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_path, tally):
     rng = np.random.default_rng(SEED + 1)
     cache = tmp_path / "cache"
-    _timed_build(source.roots["A"], cache)
-    duration = _timed_build(source.roots["B"], cache)  # a refresh: reuses, decodes, drops
+    _build(source.roots["A"], cache)
+    _build(source.roots["B"], cache)  # a refresh: reuses, decodes, drops
     current, kills = "B", 0
     for _ in range(3 * KILLS):  # until KILLS kills landed while the refresh ran
         target = "A" if current == "B" else "B"
+        point = _build_point(rng, cache)
         proc = _popen(*_build_cmd(source.roots[target], cache, int(rng.integers(1, 3))))
-        kills += _kill_at(proc, rng.uniform(0, duration))
+        kills += _kill_when(proc, point)
         current = _served(cache, source, {current, target})
         if kills == KILLS:
             break
@@ -219,24 +289,36 @@ def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_pat
     assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
 
 
+def test_kill_9_during_a_compaction_leaves_the_cache_as_it_was(source, tmp_path, tally):
+    rng = np.random.default_rng(SEED + 2)
+    cache = tmp_path / "cache"
+    _build(source.roots["A"], cache)
+    kills = 0
+    for _ in range(3 * KILLS):  # until KILLS kills landed while the compaction ran
+        # garbage to compact: a refresh to the other version, appended (compact_at 1: never
+        # compacting by itself)
+        target = "B" if kills % 2 == 0 else "A"
+        build_cache(source.roots[target], cache, workers=1, compact_at=1.0)
+        assert (
+            fmt.read_manifest(cache).shares_data
+            or fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) >= 0
+        )
+        point = _build_point(rng, cache)
+        proc = _popen("-m", "mmcache", "compact", str(cache))
+        kills += _kill_when(proc, point)
+        assert _served(cache, source, {target}) == target  # compaction changes no record
+        if kills == KILLS:
+            break
+    assert kills == KILLS
+    tally["kills survived"] += kills
+    tally["kills: compaction"] += kills
+    report = build_cache(source.roots["A"], cache, workers=1, compact_at=0.0)
+    assert not report.appended and _served(cache, source, {"A"}) == "A"
+    m = fmt.read_manifest(cache)
+    assert _bins(cache) == sorted(["manifest.json", *(m.file(k).name for k in fmt.FILE_KINDS)])
+
+
 # --- full and read-only disks ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str):
-    """A small tmpfs at ``path`` (needs root and CAP_SYS_ADMIN: skips otherwise)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def _fill(disk: Path, leave: int) -> None:
@@ -253,8 +335,10 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
     for rel in sorted(source.refs["A"])[:20]:
         (small / rel).parent.mkdir(parents=True, exist_ok=True)
         os.link(source.roots["A"] / rel, small / rel)
-    need = build_cache(source.roots["B"], tmp_path / "measure", workers=1).bytes
-    with _tmpfs(tmp_path / "disk", "12m") as disk:
+    # what the refresh from the small cache to B writes (appended pixels, index, state, paths)
+    build_cache(small, tmp_path / "measure", workers=1)
+    need = build_cache(source.roots["B"], tmp_path / "measure", workers=1).written_bytes
+    with tmpfs(tmp_path / "disk", "12m") as disk:
         cache = disk / "cache"
 
         def rebuild_small() -> dict[str, bytes]:
@@ -299,7 +383,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
 
 
 def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
-    with _tmpfs(tmp_path / "disk", "8m") as disk:
+    with tmpfs(tmp_path / "disk", "8m") as disk:
         cache = disk / "cache"
         build_cache(source.roots["A"], cache, workers=1)
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
@@ -385,6 +469,11 @@ def pristine(tmp_path_factory) -> Path:
     src = make_folder(root / "src", {"a": [(13, 7), (9, 11)], "b": [(10, 10), (5, 3)]}, ".png")
     build_cache(src, root / "cache", workers=1)
     return root / "cache"
+
+
+# The pristine cache's records, in ImageFolder order, as make_folder names them; what each must
+# hold is the reference decode of that file (pristine.parent / "src" / name).
+PRISTINE_FILES = ["a/img_000.png", "a/img_001.png", "b/img_002.png", "b/img_003.png"]
 
 
 def _copy(pristine: Path, dst: Path) -> Path:
@@ -519,14 +608,23 @@ json_values = st.recursive(
 )
 
 
-def _only_documented_errors(cache: Path) -> str:
-    """Open and read everything; any exception but a CacheError fails the test."""
+def _only_documented_errors(cache: Path, pristine: Path) -> str:
+    """Open and read everything as a training job would, then verify against the source;
+    any exception but a CacheError fails the test. Returns "refused" (a CacheError), "found"
+    (served, but ``verify --source all`` names bad records) or "accepted": then every record
+    served must hold exactly the pixels of its source file, decoded here by the reference."""
     try:
         fmt.open_cache(cache)
-        _open_and_read_all(cache)
-        verify_cache(cache, source="all")
+        images = _open_and_read_all(cache)
+        report = verify_cache(cache, source="all")
     except CacheError:
         return "refused"
+    if not report.ok:
+        return "found"
+    src = pristine.parent / "src"
+    assert len(images) == len(PRISTINE_FILES)
+    for img, name in zip(images, PRISTINE_FILES):
+        assert np.array_equal(img, reference(src / name)), name
     return "accepted"
 
 
@@ -573,7 +671,7 @@ def test_fuzz_manifest_values(pristine, scratch, tally, data):
     if data.draw(st.booleans()):
         with contextlib.suppress(ValueError, TypeError, KeyError):
             reseal(cache)
-    _fuzzed(tally, "manifest values", _only_documented_errors(cache))
+    _fuzzed(tally, "manifest values", _only_documented_errors(cache, pristine))
 
 
 @fuzz_settings
@@ -581,7 +679,7 @@ def test_fuzz_manifest_values(pristine, scratch, tally, data):
 def test_fuzz_manifest_bytes(pristine, scratch, tally, raw):
     cache = _copy(pristine, scratch)
     (cache / "manifest.json").write_bytes(raw)
-    outcome = _only_documented_errors(cache)
+    outcome = _only_documented_errors(cache, pristine)
     assert outcome == "refused"  # no random bytes or JSON are a valid manifest
     _fuzzed(tally, "manifest bytes", outcome)
 
@@ -619,7 +717,7 @@ def test_fuzz_index_state_and_paths(pristine, scratch, tally, data):
     state.tofile(_file(cache, "state"))
     _file(cache, "paths").write_bytes(bytes(blob))
     reseal(cache)
-    _fuzzed(tally, "index, state, paths", _only_documented_errors(cache))
+    _fuzzed(tally, "index, state, paths", _only_documented_errors(cache, pristine))
 
 
 # --- concurrent processes ---------------------------------------------------------------------
@@ -745,23 +843,42 @@ def _filled_records_are_right(cache: Path, source: Source, version: str) -> int:
     return len(filled)
 
 
+def _filled_count(cache: Path) -> int | None:
+    """How many records a lazy cache's state file says are FILLED now (None: no cache yet)."""
+    try:
+        m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+        state = np.fromfile(cache / m["files"]["state"], fmt.STATE_DTYPE)
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return int((state["state"] == fmt.FILLED).sum())
+
+
 def test_kill_9_during_a_lazy_fill_leaves_a_partial_cache_that_resumes(source, tmp_path, tally):
     # MemmapImageDataset(cache, source=src) creates the lazy cache when it is missing.
     rng = np.random.default_rng(SEED + 2)
     cache = tmp_path / "cache"
-    start = time.monotonic()
-    proc = _popen("-c", LAZY_FILLER, str(tmp_path / "timing"), str(source.roots["A"]))
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    duration = time.monotonic() - start
-    filled = []
-    for _ in range(KILLS):
+    n = len(source.refs["A"])
+    filled = []  # after each kill: how many records were FILLED, and how many at least
+    for attempt in range(KILLS):
+        # a point of the fill to kill it at: k records filled, some more than now (-1, the first
+        # time: while the cache is being created, once its folder is there)
+        now = _filled_count(cache) or 0
+        k = -1 if attempt == 0 else now + int(rng.integers(0, max(n - now, 1)))
         proc = _popen("-c", LAZY_FILLER, str(cache), str(source.roots["A"]))
-        alive = _kill_at(proc, rng.uniform(0, duration))
+        if k < 0:
+            landed = _kill_when(proc, cache.is_dir)
+        else:
+            landed = _kill_when(proc, lambda k=k: (_filled_count(cache) or 0) >= k)
         if (cache / "manifest.json").exists():
-            filled.append(_filled_records_are_right(cache, source, "A"))
-        tally["kills survived"] += alive
-        tally["kills: lazy fill"] += alive
+            filled.append((_filled_records_are_right(cache, source, "A"), k if landed else n))
+        tally["kills survived"] += landed
+        tally["kills: lazy fill"] += landed
+    assert len(filled) >= KILLS - 1  # after the first kill, the cache was there to kill
+    # a fill killed at k records filled leaves at least k (a killed one never undoes a fill,
+    # it loses at most the records being written), and no kill loses what earlier runs filled
+    assert all(count >= at_least for count, at_least in filled), filled
+    counts = [count for count, _ in filled]
+    assert counts == sorted(counts), filled
     ds = MemmapImageDataset(cache, source=source.roots["A"], on_stale="ignore")
     for i, (path, _) in enumerate(ds.samples):
         assert np.array_equal(ds[i][0], source.refs["A"][os.path.relpath(path, source.roots["A"])])

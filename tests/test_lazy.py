@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -128,32 +130,30 @@ def test_fills_by_another_process_are_seen_through_this_process_mapping(src, tmp
     assert np.array_equal(ds.read(1), first)
 
 
-def _read_all(cache: Path, src: Path, order, counter=None, pause: float = 0.0) -> None:
+def _read_all(cache: Path, src: Path, order, pause: float = 0.0, then=None) -> None:
+    """Read ``order`` checking each image, then set the event ``then`` and wait for ever."""
     ds = MemmapImageDataset(cache, source=src)
     for i in order:
         img, _ = ds[i]
         if not np.array_equal(img, decode_image(ds.samples[i][0])):
             raise SystemExit(f"wrong pixels for record {i}")
-        if counter is not None:
-            with counter.get_lock():
-                counter.value += 1
         time.sleep(pause)
+    if then is not None:
+        then.set()
+        threading.Event().wait()
 
 
 def test_a_filler_killed_half_way_is_resumed_by_the_next_run(src, tmp_path):
     cache = tmp_path / "cache"
-    done = FORK.Value("i", 0)
-    child = FORK.Process(target=_read_all, args=(cache, src, range(24), done, 0.05))
+    half = FORK.Event()
+    child = FORK.Process(target=_read_all, args=(cache, src, range(12), 0.0, half))
     child.start()
-    deadline = time.monotonic() + 60
-    while done.value < 12:
-        assert child.is_alive() and time.monotonic() < deadline
-        time.sleep(0.002)
+    assert half.wait(timeout=60), "the child never filled its 12 records"
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     assert child.exitcode == -signal.SIGKILL
     codes = _codes(cache)
-    assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
+    assert (codes[:12] == fmt.FILLED).all() and (codes[12:] == fmt.EMPTY).all()
     ds = MemmapImageDataset(cache, source=src)
     assert all(np.array_equal(ds[i][0], decode_image(ds.samples[i][0])) for i in range(24))
     assert_equals_build(cache, src, tmp_path / "ref", same_offsets=True)
@@ -176,10 +176,20 @@ def test_a_dataloader_worker_killed_mid_epoch_leaves_a_cache_the_next_epoch_comp
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     it = iter(loader)
     pids = {next(it)[1][1] for _ in range(12)}
-    os.kill(pids.pop(), signal.SIGKILL)
+    victim = pids.pop()
+    # The kill goes inside the block: torch's SIGCHLD handler raises "DataLoader worker (pid
+    # ...) is killed by signal" in this thread at its next Python step, wherever that is. And
+    # the workers are shut down inside it too: until they are, the dead worker's pid stays
+    # registered with that handler, and any child that exits later (a worker stopping here, a
+    # subprocess of a later test) raises the error again.
     with pytest.raises(RuntimeError, match="DataLoader worker"):
-        for _ in it:
-            pass
+        try:
+            os.kill(victim, signal.SIGKILL)
+            for _ in it:
+                pass
+        finally:
+            it._shutdown_workers()
+    assert all(not w.is_alive() for w in it._workers)  # joined or terminated, and reaped
     del it
     codes = _codes(cache)
     assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
@@ -209,7 +219,7 @@ def test_two_concurrent_fillers_both_finish_with_correct_pixels(src, tmp_path):
     cache = tmp_path / "cache"
     # Both create the cache (one waits for the other's lock), then fill it in opposite orders.
     children = [
-        FORK.Process(target=_read_all, args=(cache, src, order, None, 0.002))
+        FORK.Process(target=_read_all, args=(cache, src, order, 0.002))
         for order in (range(24), range(23, -1, -1))
     ]
     for c in children:
@@ -427,3 +437,37 @@ def test_a_pickled_lazy_dataset_fills_in_the_new_process(src, tmp_path):
     assert np.array_equal(copy[7][0], decode_image(ds.samples[7][0]))
     assert _codes(tmp_path / "cache")[7] == fmt.FILLED
     assert torch.equal(torch.from_numpy(ds[7][0]), torch.from_numpy(copy[7][0]))
+
+
+def test_a_lazy_cache_refuses_to_start_without_the_free_space(tmp_path):
+    # The README: "a lazy cache refuse[s] to start when the destination lacks that space (one
+    # line with both numbers; --force overrides)". Its data file is sparse, but it will fill.
+    from conftest import tmpfs
+
+    from mmcache import plan_cache
+
+    src = make_folder(tmp_path / "big", {"a": [(1500, 1000)] * 3})  # 13.5 MB of pixels
+    with tmpfs(tmp_path / "fs", "8m") as disk:
+        cache = disk / "cache"
+        needed = plan_cache(src, cache).build.disk_bytes
+        free = shutil.disk_usage(disk).free
+        assert needed > 8 << 20 >= free
+        with pytest.raises(InsufficientSpaceError) as e:
+            MemmapImageDataset(cache, source=src)
+        message = str(e.value)
+        assert f"{needed:,} bytes" in message and f"{free:,} bytes" in message
+        assert "\n" not in message and "force" in message
+        assert not cache.exists() or os.listdir(cache) == []  # nothing written, no manifest
+        with pytest.raises(InsufficientSpaceError):
+            create_lazy_cache(src, cache)
+        # Forced, it starts; the disk then fills at the first record that does not fit, which
+        # stays empty: a clear error, no record half-written as filled.
+        create_lazy_cache(src, cache, force=True)
+        ds = MemmapImageDataset(cache, source=src)
+        assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))  # 4.5 MB: fits
+        with pytest.raises(InsufficientSpaceError, match="disk is full"):
+            for i in range(1, 3):
+                ds[i]
+        codes = _codes(cache)
+        assert codes[0] == fmt.FILLED and fmt.EMPTY in codes[1:]
+        assert set(codes[1:]) <= {fmt.FILLED, fmt.EMPTY}

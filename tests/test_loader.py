@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -149,36 +150,57 @@ def test_a_batch_kept_past_the_ring_is_overwritten_unless_cloned(ds):
     it.close()
 
 
-def _threads_return_to(baseline):
-    # Nothing to wait for: stopping an iteration joins its threads before returning.
-    return threading.active_count() == baseline
+@pytest.fixture
+def loader_threads():
+    """The BatchLoader copying threads this test started that are still alive: threads named
+    mmcache-BatchLoader-*, not there when the test began. Nobody else's threads count (torch's
+    queue feeders, a warming thread of another test, come and go on their own schedule)."""
+
+    def named() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("mmcache-BatchLoader-")}
+
+    before = named()
+    return lambda: sorted(t.name for t in named() - before if t.is_alive())
 
 
-def test_threads_stop_on_break_exception_and_garbage_collection(ds):
-    baseline = threading.active_count()
+def _gone_within(alive, seconds: float = 30) -> bool:
+    """Whether ``alive()`` is empty within ``seconds``, collecting garbage meanwhile (a dropped
+    iterator is stopped by its finalizer, when the collector reaches it)."""
+    deadline = time.monotonic() + seconds
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()
+        time.sleep(0.01)
+    return True
+
+
+def test_threads_stop_on_break_exception_and_garbage_collection(ds, loader_threads):
     loader = BatchLoader(ds, 2, num_threads=3, prefetch=2)
     for _ in loader:
-        assert threading.active_count() == baseline + 3
+        assert len(loader_threads()) == 3
         break
-    assert _threads_return_to(baseline)
+    # break and an exception end the iteration, and stopping joins the threads before it
+    # returns: nothing to wait for
+    assert loader_threads() == []
 
     with pytest.raises(KeyError):
         for _ in loader:
             raise KeyError("in the training step")
-    assert _threads_return_to(baseline)
+    assert loader_threads() == []
 
     it = iter(loader)
     next(it)
+    assert len(loader_threads()) == 3
     del it
     gc.collect()
-    assert _threads_return_to(baseline)
+    assert _gone_within(loader_threads)
 
     assert sum(len(b[1]) for b in loader) == N  # a full epoch ends its threads too
-    assert _threads_return_to(baseline)
+    assert loader_threads() == []
 
 
-def test_a_new_iteration_ends_the_previous_one(ds):
-    baseline = threading.active_count()
+def test_a_new_iteration_ends_the_previous_one(ds, loader_threads):
     loader = BatchLoader(ds, 4)
     first = iter(loader)
     next(first)
@@ -187,7 +209,7 @@ def test_a_new_iteration_ends_the_previous_one(ds):
         next(first)
     assert sum(len(b[1]) for b in second) == N
     del first, second
-    assert _threads_return_to(baseline)
+    assert _gone_within(loader_threads)
 
 
 def _mark_bad(cache, record):
@@ -197,25 +219,24 @@ def _mark_bad(cache, record):
     state.tofile(cache / m["files"]["state"])
 
 
-def test_a_bad_record_raises_the_dataset_error_from_the_thread(tmp_path):
+def test_a_bad_record_raises_the_dataset_error_from_the_thread(tmp_path, loader_threads):
     src = make_folder(tmp_path / "src", {"a": [(16, 8)] * 12})
     build_cache(src, tmp_path / "cache", workers=1)
     _mark_bad(tmp_path / "cache", 9)
     ds = MemmapImageDataset(tmp_path / "cache")
     with pytest.raises(DecodeError, match="img_009.jpg: a damaged or truncated JPEG file"):
         ds[9]
-    baseline = threading.active_count()
     it = iter(BatchLoader(ds, 4, num_threads=2))
     assert len(next(it)[0]) == 4  # batches before the bad record come through
     with pytest.raises(DecodeError, match="img_009.jpg: a damaged or truncated JPEG file"):
         for _ in it:
             pass
-    assert _threads_return_to(baseline)
+    assert loader_threads() == []  # the error stopped and joined them
     with pytest.raises(RuntimeError, match="stopped on an error"):
         next(it)
 
 
-def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds):
+def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds, loader_threads):
     class Boom(Exception):
         pass
 
@@ -226,12 +247,11 @@ def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds):
     with pytest.raises(Boom):  # raised while the order is drawn, in the caller
         iter(loader)
 
-    baseline = threading.active_count()
     ds2 = MemmapImageDataset(ds.cache)
     ds2._offsets = None  # breaks the copy inside the threads, not the construction
     with pytest.raises(TypeError):
         list(BatchLoader(ds2, 4))
-    assert _threads_return_to(baseline)
+    assert loader_threads() == []
 
 
 def test_a_cache_of_several_shapes_is_refused(small_folder, tmp_path):
@@ -288,6 +308,7 @@ def test_bad_arguments(ds):
         iter(BatchLoader(ds, 4, sampler=[0, 24]))
 
 
+@pytest.mark.without_cuda
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the fallback without CUDA")
 def test_pin_memory_without_cuda_falls_back_to_pageable_buffers(ds):
     with pytest.warns(UserWarning, match="pin_memory=True but CUDA is not available"):
@@ -299,6 +320,7 @@ def test_pin_memory_without_cuda_falls_back_to_pageable_buffers(ds):
         BatchLoader(ds, 8, device="cuda")
 
 
+@pytest.mark.needs_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory, a GPU)")
 def test_pinned_buffers_and_asynchronous_copy_to_cuda(ds):
     images, _ = next(iter(BatchLoader(ds, 8, pin_memory=True)))

@@ -4,12 +4,11 @@ free-space refusal on a real small filesystem; the plan on the command line."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, write_image
+from conftest import make_folder, tmpfs, write_image
 
 from mmcache import (
     InsufficientSpaceError,
@@ -145,21 +144,8 @@ def test_check_free_space_names_both_numbers(tmp_path):
 @pytest.fixture
 def tiny_fs(tmp_path: Path):
     """An 8 MiB tmpfs mounted at tmp_path/fs (needs root), unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "fs", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_build_refuses_a_destination_without_space(tiny_fs, tmp_path, capsys):

@@ -137,3 +137,18 @@ def test_a_record_marked_bad_in_a_built_cache_is_named(cache):
     state.tofile(files.manifest.file("state"))
     with pytest.raises(CacheFormatError, match="record 2: empty in a built cache"):
         verify_cache(cache)
+
+
+def test_a_sample_is_1_percent_of_a_large_cache(tmp_path, capsys):
+    # The README: "verify --source: decode 1% of the source (at least 20 files)". 3,000 records:
+    # 30 files decoded and compared.
+    from conftest import write_image
+
+    one = write_image(tmp_path / "one.png", 4, 4)
+    for k in range(3000):  # links to one small file: a large listing, quick to build
+        (tmp_path / "s" / "a").mkdir(parents=True, exist_ok=True)
+        os.link(one, tmp_path / "s" / "a" / f"{k:04d}.png")
+    build_cache(tmp_path / "s", tmp_path / "c", workers=1)
+    assert verify_cache(tmp_path / "c", source="sample", seed=3).source_compared == 30
+    assert main(["verify", str(tmp_path / "c"), "--source"]) == 0
+    assert "30 compared with the source" in capsys.readouterr().out

@@ -1,0 +1,100 @@
+"""The suite's own rules: under CI a required test that skips fails; a hang fails its test."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+INNER = """
+import threading
+
+import pytest
+
+
+def test_passes():
+    pass
+
+
+def test_required_but_skipped():
+    pytest.skip("mounting a small tmpfs needs root")
+
+
+@pytest.mark.needs_cuda
+def test_may_skip():
+    pytest.skip("needs CUDA")
+
+
+@pytest.mark.skipif(True, reason="a skipif mark")
+def test_required_skipped_by_a_mark():
+    pass
+
+
+@pytest.mark.xfail(reason="a known failure", strict=True)
+def test_expected_to_fail():
+    raise AssertionError
+
+
+@pytest.mark.timeout(2)
+def test_hangs():
+    threading.Event().wait()
+"""
+
+
+def _inner_pytest(tmp_path: Path, ci: str | None, source: str = INNER, args: tuple = ()):
+    """pytest on ``source`` with this suite's conftest and pytest settings, in a fresh process."""
+    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(HERE.parent / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "test_inner.py").write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, "test_inner.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _summary(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
+def test_without_ci_a_skip_is_a_skip_and_a_hang_fails_its_test(tmp_path):
+    run = _inner_pytest(tmp_path, ci="")  # empty: as if unset
+    assert run.returncode == 1, run.stdout
+    assert "1 failed, 1 passed, 3 skipped, 1 xfailed" in _summary(run.stdout)
+    assert "FAILED test_inner.py::test_hangs - Failed: Timeout (>2.0s) from pytest-timeout" in (
+        run.stdout
+    )
+
+
+def test_under_ci_a_required_test_that_skips_fails(tmp_path):
+    run = _inner_pytest(tmp_path, ci="true")  # any non-empty value
+    assert run.returncode == 1, run.stdout
+    assert "2 failed, 1 passed, 1 skipped, 1 xfailed, 1 error" in _summary(run.stdout)
+    # the skip inside the test fails it; the skipif mark skips at setup: an error
+    assert "FAILED test_inner.py::test_required_but_skipped" in run.stdout
+    assert "ERROR test_inner.py::test_required_skipped_by_a_mark" in run.stdout
+    assert "skipped under CI, and it is a required test: mounting a small tmpfs" in run.stdout
+    assert "SKIPPED [1] test_inner.py" in run.stdout and "needs CUDA" in run.stdout
+
+
+def test_the_suite_has_a_per_test_timeout_of_minutes():
+    text = (HERE.parent / "pyproject.toml").read_text()  # (tomllib is Python 3.11+)
+    ini = text[text.index("[tool.pytest.ini_options]") :]
+    assert 60 <= int(re.search(r"^timeout = (\d+)$", ini, re.M)[1]) <= 600
+    assert "--strict-markers" in ini  # a misspelt needs_cuda would not excuse a skip
+
+
+def test_no_tests_is_not_a_pass(tmp_path):
+    run = _inner_pytest(tmp_path, ci="1", source="")
+    assert run.returncode == 5, run.stdout
