@@ -86,17 +86,22 @@ class _Crop:
     def size(self, value: int | Sequence[int]) -> None:
         self._size = _size_pair(value)
 
-    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
-        """Crop boxes ``(top, left, height, width)`` (an (N, 4) int64 array) of records of
-        ``shapes`` (N rows of height, width, ...), from ``uniforms`` (N rows of ``DRAWS``
-        numbers in [0, 1); unused by a deterministic crop)."""
+    def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
+        """The crop box ``(top, left, height, width)`` of an image of ``height`` x ``width``,
+        from ``u``, ``draws`` uniform numbers in [0, 1) (none for a deterministic crop)."""
         raise NotImplementedError
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
+        """``box`` of each of N records of ``shapes`` (rows of height, width, ...), with the
+        rows of ``uniforms``: an (N, 4) int64 array."""
+        rows = np.asarray(shapes)[:, :2].tolist()
+        u = [()] * len(rows) if uniforms is None else np.asarray(uniforms).tolist()
+        return np.array([self.box(h, w, v) for (h, w), v in zip(rows, u)], np.int64).reshape(-1, 4)
 
     def __call__(self, img: np.ndarray) -> np.ndarray:
         """The crop of one H x W x C array, resized to ``size`` (a new array)."""
-        uniforms = torch.rand(1, self.draws, dtype=torch.float64).numpy() if self.draws else None
-        box = self.boxes(np.array([img.shape[:2]]), uniforms)[0]
-        return resized_crop(img, box, self.size, self.interpolation)
+        u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
+        return resized_crop(img, self.box(*img.shape[:2], u), self.size, self.interpolation)
 
 
 class RandomResizedCrop(_Crop):
@@ -134,37 +139,30 @@ class RandomResizedCrop(_Crop):
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
 
-    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
-        shapes = np.asarray(shapes)
-        height = shapes[:, 0].astype(np.float64)[:, None]
-        width = shapes[:, 1].astype(np.float64)[:, None]
-        u = np.asarray(uniforms, np.float64)
-        # torchvision, try by try: target_area = area * U(scale); aspect = exp(U(log ratio));
-        # w = round(sqrt(target_area * aspect)), h = round(sqrt(target_area / aspect)), kept if
-        # 0 < w <= width and 0 < h <= height. (np.round rounds half to even, as Python's round.)
-        target = height * width * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[:, :TRIES])
-        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = np.exp(lo + (hi - lo) * u[:, TRIES : 2 * TRIES])
-        w = np.round(np.sqrt(target * aspect))
-        h = np.round(np.sqrt(target / aspect))
-        fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-        first = fits.argmax(axis=1)
-        rows = np.arange(len(u))
-        found = fits[rows, first]
-        bh, bw = h[rows, first], w[rows, first]
+    def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
+        # torchvision's get_params, try by try, with the try's two numbers in u[k] and
+        # u[TRIES + k] and the corner's two in u[2 * TRIES] and u[2 * TRIES + 1].
+        area = height * width
+        lo, hi = self.scale
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        for k in range(TRIES):
+            target = area * (lo + (hi - lo) * u[k])
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u[TRIES + k])
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                # randint(0, height - h + 1), likewise the left
+                top = math.floor(u[2 * TRIES] * (height - h + 1))
+                left = math.floor(u[2 * TRIES + 1] * (width - w + 1))
+                return top, left, h, w
         # The fallback: the whole image, cut to the nearest bound of ratio, centred.
-        width1, height1 = width[:, 0], height[:, 0]
-        in_ratio = width1 / height1
-        fb_w = np.where(in_ratio > self.ratio[1], np.round(height1 * self.ratio[1]), width1)
-        fb_h = np.where(in_ratio < self.ratio[0], np.round(width1 / self.ratio[0]), height1)
-        bh, bw = np.where(found, bh, fb_h), np.where(found, bw, fb_w)
-        # torchvision: randint(0, height - h + 1) for the top, likewise the left; the fallback
-        # is centred ((height - h) // 2).
-        top = np.where(found, np.floor(u[:, 2 * TRIES] * (height1 - bh + 1)), (height1 - bh) // 2)
-        left = np.where(
-            found, np.floor(u[:, 2 * TRIES + 1] * (width1 - bw + 1)), (width1 - bw) // 2
-        )
-        return np.stack([top, left, bh, bw], axis=1).astype(np.int64)
+        in_ratio = width / height
+        w, h = width, height
+        if in_ratio < self.ratio[0]:
+            h = round(width / self.ratio[0])
+        elif in_ratio > self.ratio[1]:
+            w = round(height * self.ratio[1])
+        return (height - h) // 2, (width - w) // 2, h, w
 
 
 class CenterCrop(_Crop):
@@ -188,14 +186,10 @@ class CenterCrop(_Crop):
             raise ValueError(f"ratio must be within (0, 1], got {ratio}")
         self.ratio = float(ratio)
 
-    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray | None = None) -> np.ndarray:
-        shapes = np.asarray(shapes)
-        height, width = shapes[:, 0].astype(np.int64), shapes[:, 1].astype(np.int64)
-        side = np.maximum(1, np.round(np.minimum(height, width) * self.ratio)).astype(np.int64)
+    def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
+        side = max(1, round(min(height, width) * self.ratio))
         # torchvision's centre: int(round((height - side) / 2)), likewise the left
-        top = np.round((height - side) / 2).astype(np.int64)
-        left = np.round((width - side) / 2).astype(np.int64)
-        return np.stack([top, left, side, side], axis=1)
+        return round((height - side) / 2), round((width - side) / 2), side, side
 
 
 class RandomHorizontalFlip:
@@ -206,7 +200,7 @@ class RandomHorizontalFlip:
 
     def __call__(self, img: np.ndarray) -> np.ndarray:
         if torch.rand(1).item() < self.p:
-            return np.ascontiguousarray(img[:, ::-1])
+            return cv2.flip(img, 1).reshape(img.shape)  # (cv2 drops a single channel's axis)
         return img
 
 
