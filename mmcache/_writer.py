@@ -470,17 +470,7 @@ def _kept_records(
     the previous cache cannot share its data file."""
     if not _lends_records(previous, wanted) or not previous.manifest.file("data").exists():
         return None
-    old = previous.index
-    by_path = {previous.path(j): j for j in range(len(old))}
-    kept = {}
-    for i, rel in enumerate(listing.paths):
-        j = by_path.get(rel)
-        if j is not None and (
-            int(old[j]["source_size"]) == int(listing.sizes[i])
-            and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
-        ):
-            kept[i] = j
-    return kept
+    return _unchanged(previous, listing, range(len(previous.index)))
 
 
 def _garbage_share(previous: fmt.CacheFiles, kept: dict[int, int], layout: Layout) -> float:
@@ -511,18 +501,23 @@ def _reusable(
     """New record -> old record, for files unchanged since a previous cache with equal options."""
     if not _lends_records(previous, wanted):
         return {}
+    return _unchanged(previous, listing, np.flatnonzero(previous.state["state"] == fmt.FILLED))
+
+
+def _unchanged(previous: fmt.CacheFiles, listing: Listing, candidates) -> dict[int, int]:
+    """New record -> previous record, for the ``candidates`` (previous record numbers) whose
+    file is listed again with the same size and mtime."""
     old = previous.index
-    filled = previous.state["state"] == fmt.FILLED
-    by_path = {previous.path(j): j for j in range(len(old)) if filled[j]}
-    reuse = {}
+    by_path = {previous.path(j): j for j in map(int, candidates)}
+    found = {}
     for i, rel in enumerate(listing.paths):
         j = by_path.get(rel)
         if j is not None and (
             int(old[j]["source_size"]) == int(listing.sizes[i])
             and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
         ):
-            reuse[i] = j
-    return reuse
+            found[i] = j
+    return found
 
 
 def _carry_skips(
