@@ -101,17 +101,9 @@ def build_cache(
         TypeError, ValueError: an unknown or invalid preprocessing option.
     """
     request = writer.BuildRequest(
-        source,
-        cache,
-        Options(**options),
-        workers=workers,
-        strict=strict,
-        progress=progress,
-        force=force,
-        trust_decoder=trust_decoder,
-        replace=replace,
-        compact_at=compact_at,
-    )
+        source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
+        force=force, trust_decoder=trust_decoder, replace=replace, compact_at=compact_at,
+    )  # fmt: skip
     if _in_process_group(distributed):
         from .distributed import build_distributed
 

@@ -272,17 +272,12 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
     # One bar: several ranks' bars would garble the terminal.
     bar = _Progress(desc, quiet=args.quiet) if rank == 0 else None
     try:
+        settings = ("workers", "strict", "force", "trust_decoder", "replace", "compact_at")
         report = build_cache(
             args.source,
             args.cache,
-            workers=args.workers,
-            strict=args.strict,
             progress=bar,
-            force=args.force,
-            trust_decoder=args.trust_decoder,
-            replace=args.replace,
-            compact_at=args.compact_at,
-            dist_timeout=args.dist_timeout,
+            **{name: getattr(args, name) for name in (*settings, "dist_timeout")},
             **_preprocessing_kwargs(args),
         )
     finally:
@@ -609,7 +604,13 @@ def _parser() -> argparse.ArgumentParser:
     quiet.add_argument(
         "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
     )
-    cache_help = "the cache folder"
+
+    def cache_command(name: str, func, help: str, quiet_flag: bool = True):
+        """A subcommand whose first argument is a cache folder."""
+        cmd = sub.add_parser(name, parents=[quiet] if quiet_flag else [], help=help)
+        cmd.add_argument("cache", help="the cache folder")
+        cmd.set_defaults(func=func, quiet=False)
+        return cmd
 
     b = sub.add_parser("build", parents=[quiet], help="decode a source folder or list into a cache")
     b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
@@ -659,10 +660,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=_cmd_build)
 
-    v = sub.add_parser(
-        "verify", parents=[quiet], help="check every record's checksum (and pixels vs the source)"
+    v = cache_command(
+        "verify", _cmd_verify, "check every record's checksum (and pixels vs the source)"
     )
-    v.add_argument("cache", help=cache_help)
     v.add_argument(
         "--source",
         nargs="?",
@@ -671,7 +671,6 @@ def _parser() -> argparse.ArgumentParser:
         help="also decode the source again and compare: a 1%% sample, at least 20 files "
         "(default), or all",
     )
-    v.set_defaults(func=_cmd_verify)
 
     c = sub.add_parser(
         "copy", parents=[quiet], help="copy a cache (to a node's local disk) and verify the copy"
@@ -707,15 +706,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", help="keep the images and cache here (default: a temp folder)")
     d.set_defaults(func=_cmd_demo, quiet=False)
 
-    i = sub.add_parser("info", help="describe a cache and how much of it is in RAM")
-    i.add_argument("cache", help=cache_help)
-    i.add_argument("--json", action="store_true", help="print one JSON object")
-    i.set_defaults(func=_cmd_info, quiet=False)
-
-    w = sub.add_parser(
-        "warm", parents=[quiet], help="read a cache into the page cache, within a memory budget"
+    i = cache_command(
+        "info", _cmd_info, "describe a cache and how much of it is in RAM", quiet_flag=False
     )
-    w.add_argument("cache", help=cache_help)
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+
+    w = cache_command("warm", _cmd_warm, "read a cache into the page cache, within a memory budget")
     w.add_argument(
         "--max-memory",
         type=_budget,
@@ -724,17 +720,8 @@ def _parser() -> argparse.ArgumentParser:
         help="stop before memory used by processes plus the cache would pass this: a share "
         "of RAM (90%%) or a size (8G) (default 90%%)",
     )
-    w.set_defaults(func=_cmd_warm)
-
-    k = sub.add_parser(
-        "compact", parents=[quiet], help="drop the garbage refreshes left in a cache's data file"
-    )
-    k.add_argument("cache", help=cache_help)
-    k.set_defaults(func=_cmd_compact)
-
-    e = sub.add_parser("evict", parents=[quiet], help="drop a cache's pages from the page cache")
-    e.add_argument("cache", help=cache_help)
-    e.set_defaults(func=_cmd_evict)
+    cache_command("compact", _cmd_compact, "drop the garbage refreshes left in a cache's data file")
+    cache_command("evict", _cmd_evict, "drop a cache's pages from the page cache")
 
     return p
 
