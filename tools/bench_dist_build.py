@@ -82,8 +82,10 @@ def main() -> None:
         wall = time.perf_counter() - start
         if run.returncode != 0:
             sys.exit(f"{k} process(es) failed:\n{run.stderr[-3000:]}")
-        found = re.search(r", ([\d.]+) s, ([\d,]+) img/s decoded", run.stdout)
-        seconds, rate = float(found.group(1)), float(found.group(2).replace(",", ""))
+        # The build's summary: "CACHE: N images in K classes, SIZE, in S s", then "D decoded".
+        seconds = float(re.search(r", in ([\d.]+) s$", run.stdout, re.M).group(1))
+        decoded = int(re.search(r"^  ([\d,]+) decoded", run.stdout, re.M).group(1).replace(",", ""))
+        rate = decoded / seconds
         base = base or rate
         same = digest(cache)
         first = first or same

@@ -96,13 +96,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mmcache-compare-") as tmp:
         tmp = Path(tmp)
         source = args.source or sample_source(tmp / "source")
-        trees = {
-            rev: export(rev, tmp / f"tree-{k}") for k, rev in enumerate((args.before, args.after))
-        }
+        # a list, not a dict by revision: --before HEAD --after HEAD compares a build with itself
+        trees = [export(rev, tmp / f"tree-{k}") for k, rev in enumerate((args.before, args.after))]
         failed = False
         for options in runs:
             caches = []
-            for k, tree in enumerate(trees.values()):
+            for k, tree in enumerate(trees):
                 cache = tmp / f"cache-{k}-{'-'.join(options) or 'default'}"
                 build(tree, source, cache, options)
                 caches.append(cache)
