@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mmcache
@@ -68,3 +69,23 @@ def test_ffcv_reads_the_cache_pixels_end_to_end(small_folder, tmp_path):
     assert result["img_per_s"] > 0
     assert result["versions"]["ffcv"] == "1.0.2"
     assert (tmp_path / "ffcv" / "ffcv.beton").is_file()
+
+
+def test_the_peer_reads_a_refreshed_cache_with_plain_numpy(small_folder, tmp_path):
+    # The peer reads caches without mmcache, from the format's specification: a cache whose
+    # data file a refresh shared with an earlier generation must read as the dataset does.
+    spec = importlib.util.spec_from_file_location("ffcv_peer", TOOLS / "ffcv_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    cache = tmp_path / "cache"
+    mmcache.build_cache(small_folder, cache)
+    replaced = sorted(small_folder.rglob("*.jpg"))[0]
+    replaced.write_bytes(sorted(small_folder.rglob("*.jpg"))[-1].read_bytes())
+    assert mmcache.build_cache(small_folder, cache).appended  # shares the first data file
+    ds = mmcache.MemmapImageDataset(cache)
+    records = peer.Cache(cache)
+    assert len(records) == len(ds)
+    for i in range(len(ds)):
+        image, label = ds[i]
+        assert np.array_equal(records.image(i), image)
+        assert records.labels[i] == label
