@@ -51,7 +51,9 @@ class BuildReport:
     staying where they were (a refresh), rather than into a new data file (a first build, other
     options, a compaction). ``written_bytes``: what the build wrote, pixels (decoded or copied)
     and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
-    uses now (``bytes`` is its size); ``dropped_garbage``: what a compaction took out.
+    covers now (``fmt.garbage_bytes``: padding belongs to its record, so a first build or a
+    compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
+    took out.
     """
 
     cache: Path
@@ -278,7 +280,7 @@ def allocate(s: Session) -> Generation:
     layout = None
     if previous is not None and kept is not None:
         layout = append_layout(listing, request.options, kept, previous, skip)
-        if _garbage_share(previous, kept, layout) > request.compact_at:
+        if _garbage_share(layout) > request.compact_at:
             layout = None  # too much garbage: a compact data file instead
     appending = layout is not None
     if layout is None:
@@ -423,7 +425,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         changed = sum(listing.paths[i] in old_paths for i in g.todo)
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(np.prod(layout.shapes[decoded], axis=1).sum())
-    live = int(np.prod(layout.shapes[keep], axis=1).sum()) if len(keep) else 0
+    live = fmt.live_bytes(offsets[keep], np.prod(layout.shapes[keep], axis=1), data_bytes)
     report = BuildReport(
         cache=g.folder,
         images=int((state == fmt.FILLED).sum()),
@@ -473,12 +475,14 @@ def _kept_records(
     return _unchanged(previous, listing, range(len(previous.index)))
 
 
-def _garbage_share(previous: fmt.CacheFiles, kept: dict[int, int], layout: Layout) -> float:
-    """The share of the data file that no record would use after an appending refresh."""
-    nbytes = fmt.record_nbytes(previous.index)
-    live_kept = int(nbytes[list(kept.values())].sum()) if kept else 0
-    garbage = previous.manifest.sizes["data"] - live_kept
-    return garbage / layout.data_bytes if layout.data_bytes else 0.0
+def _garbage_share(layout: Layout) -> float:
+    """The share of the data file that no record would cover after an appending refresh with
+    ``layout`` (records left out have no shape there, so they cover nothing)."""
+    if not layout.data_bytes:
+        return 0.0
+    nbytes = np.prod(layout.shapes, axis=1)
+    live = fmt.live_bytes(layout.offsets, nbytes, layout.data_bytes)
+    return (layout.data_bytes - live) / layout.data_bytes
 
 
 def _keep_in_place(
@@ -642,7 +646,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         seconds=time.perf_counter() - start,
         pending=int((codes == fmt.EMPTY).sum()),
         written_bytes=copied + sum(v for k, v in sizes.items() if k != "data"),
-        garbage_bytes=data_bytes - int(nbytes.sum()),
+        garbage_bytes=data_bytes - fmt.live_bytes(offsets, nbytes, data_bytes),
         dropped_garbage=fmt.garbage_bytes(files),
         skipped=list(m.skipped),
     )

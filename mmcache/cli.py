@@ -223,10 +223,12 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
             if report.appended
             else "a new data file"
         )
-        out(
-            f"  wrote {human_bytes(report.written_bytes)} ({where}); "
-            f"{_garbage(report.garbage_bytes, report.bytes)}"
-        )
+        wrote = f"  wrote {human_bytes(report.written_bytes)} ({where})"
+        # Garbage is what refreshes leave (replaced and removed records): a first build or a
+        # compaction has none, and then the line says only what was written.
+        if report.garbage_bytes:
+            wrote += f"; {_garbage(report.garbage_bytes, report.bytes)}"
+        out(wrote)
     for s in report.skipped[:20]:
         out(f"  skipped {s['path']}: {s['reason']}")
     if len(report.skipped) > 20:

@@ -67,9 +67,12 @@ A cache is one folder; move or copy it as a unit. Its files:
 
 ``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
-    H x W x C. Records do not overlap; they need not be in index order. Bytes that no record of
-    this generation covers are garbage (records of earlier generations, padding), and gaps read
-    as zero. May be sparse (lazy mode), and may be longer than ``sizes["data"]``, never shorter.
+    H x W x C. Records do not overlap; they need not be in index order. A record covers its
+    pixels and the padding after them up to the next multiple of ``DATA_ALIGN`` (or to
+    ``sizes["data"]``, whichever comes first); bytes that no record of this generation covers
+    are garbage (records of earlier generations), and gaps read as zero. A first build or a
+    compaction leaves none. May be sparse (lazy mode), and may be longer than ``sizes["data"]``,
+    never shorter.
 
     Generations share a data file by appending: a refresh that keeps the records of unchanged
     files where they are writes the new and modified records after ``sizes["data"]`` of the
@@ -1022,6 +1025,22 @@ def extend_data_file(path: Path, size: int) -> None:
         os.truncate(path, size)
 
 
+def live_bytes(offsets: np.ndarray, nbytes: np.ndarray, data_size: int) -> int:
+    """Bytes of a data file of ``data_size`` bytes that records at ``offsets`` of ``nbytes``
+    bytes cover: their pixels and the alignment padding after each (see the spec above).
+
+    Records start on ``DATA_ALIGN`` boundaries and do not overlap, so the padding after one
+    record is never inside another and the sum counts no byte twice.
+    """
+    start = np.asarray(offsets, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    padded = -(-size // DATA_ALIGN) * DATA_ALIGN
+    return int(np.clip(np.minimum(padded, data_size - start), 0, None).sum())
+
+
 def garbage_bytes(files: CacheFiles) -> int:
-    """Bytes of the data file no record of this generation uses (replaced records, padding)."""
-    return max(0, files.manifest.sizes["data"] - int(record_nbytes(files.index).sum()))
+    """Bytes of the data file no record of this generation covers (records that refreshes
+    replaced or removed); 0 after a first build or a compaction."""
+    size = files.manifest.sizes["data"]
+    index = files.index
+    return max(0, size - live_bytes(index["offset"], record_nbytes(index), size))

@@ -74,8 +74,8 @@ class CacheInfo:
             count; equal when every image has one fixed size (``fixed_size``).
         data_bytes: the data file's size; ``apparent_bytes`` / ``disk_bytes``: all the files of
             this generation, by size and by blocks allocated (less when the data file is sparse).
-        live_bytes / garbage_bytes: the data file's bytes the records use, and the rest
-            (records that refreshes replaced, padding).
+        live_bytes / garbage_bytes: the data file's bytes the records cover (pixels and
+            alignment padding), and the rest (records that refreshes replaced or removed).
         format_version, mode, generation, options, skipped: from the manifest.
         stale: ``None`` when the source is still matched (or absent), else the reason.
         source: the folder or list file the cache was made from; ``source_found``: whether it

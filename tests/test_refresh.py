@@ -56,19 +56,35 @@ def test_a_refresh_appends_what_changed_and_keeps_the_rest_in_place(src, tmp_pat
     metadata = sum(v for k, v in after.manifest.sizes.items() if k != "data")
     assert report.written_bytes == record + metadata
     assert after.manifest.sizes["data"] == fmt.aligned(size) + record
-    # the kept records did not move; the replaced one's bytes are now garbage
+    # the kept records did not move; the replaced one's bytes (and its padding) are now garbage
     moved = {
         after.path(i)
         for i in range(after.manifest.count)
         if int(after.index["offset"][i]) != int(before.index["offset"][i])
     }
     assert moved == {"a/img_003.jpg"}
-    assert (
-        report.garbage_bytes
-        == fmt.garbage_bytes(after)
-        == after.manifest.sizes["data"] - 60 * record
-    )
+    assert report.garbage_bytes == fmt.garbage_bytes(after) == fmt.aligned(record)
     assert_serves_the_source(cache, src)
+
+
+def test_padding_between_records_is_not_garbage(src, tmp_path, capsys):
+    """A first build and a compaction leave no garbage: the bytes that align each record (40 x
+    30 x 3 = 3,600 bytes, padded to 3,648) belong to it; only a replaced record is garbage."""
+    cache = tmp_path / "cache"
+    assert main(["build", str(src), str(cache), "--workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote" in out and "garbage" not in out  # a first build says nothing of garbage
+    files = files_of(cache)
+    assert files.manifest.sizes["data"] > int(fmt.record_nbytes(files.index).sum())  # padding
+    assert fmt.garbage_bytes(files) == 0
+    assert main(["info", str(cache)]) == 0
+    assert "0 B of the data file (0.0%) is garbage" in capsys.readouterr().out
+    write_image(src / "b" / "img_040.jpg", 30, 40, seed=4321)
+    assert main(["build", str(src), str(cache), "--workers", "0"]) == 0
+    assert "3.65 KB of the data file (1.6%) is garbage" in capsys.readouterr().out
+    report = compact_cache(cache)
+    assert (report.dropped_garbage, report.garbage_bytes) == (3648, 0)
+    assert fmt.garbage_bytes(files_of(cache)) == 0
 
 
 def test_a_reader_of_the_previous_generation_keeps_its_pixels_through_refreshes(src, tmp_path):
@@ -122,14 +138,14 @@ def test_compact_drops_the_garbage_and_keeps_every_record(src, tmp_path, capsys)
     before = files_of(cache)
     pixels_before = pixels_of(before)
     garbage = fmt.garbage_bytes(before)
-    assert garbage >= 5 * 40 * 30 * 3
+    assert garbage == 5 * fmt.aligned(40 * 30 * 3)
     assert main(["info", str(cache)]) == 0
     assert "is garbage (`mmcache compact` drops it)" in capsys.readouterr().out
     assert main(["compact", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "compacted" in out and "of garbage dropped" in out
     after = files_of(cache)
-    assert fmt.garbage_bytes(after) < 64 * after.manifest.count  # alignment padding alone
+    assert fmt.garbage_bytes(after) == 0
     assert not after.manifest.shares_data and not before.manifest.file("data").exists()
     assert pixels_of(after) == pixels_before
     assert np.array_equal(after.state, before.state)
