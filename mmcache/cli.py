@@ -119,7 +119,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _share(text: str) -> float:
+def _share_arg(text: str) -> float:
     try:
         value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
     except ValueError:
@@ -641,7 +641,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--compact-at",
-        type=_share,
+        type=_share_arg,
         default=0.25,
         metavar="SHARE",
         help="write a compact data file when a refresh would leave more than this share of it "

@@ -47,6 +47,7 @@ def test_build_lists_skipped_files(testimages, tmp_path, capsys):
         (["build", "{src}", "{src}"], "is not an mmcache cache", 1),
         (["build", "{src}", "/proc/nope"], "cannot write the cache here", 1),
         (["build", "{src}", "{tmp}/c", "--max-side", "0"], "expected a positive whole number", 2),
+        (["build", "{src}", "{tmp}/c", "--compact-at", "1.5"], "expected a share between 0", 2),
     ],
 )
 def test_user_mistakes_are_one_line_errors(small_folder, tmp_path, capsys, args, message, status):
@@ -73,6 +74,20 @@ def test_bad_option_values_are_one_line_usage_errors_with_status_2(small_folder,
     assert main(["build", str(small_folder), str(tmp_path / "c"), "--size", "224"]) == 2
     err = capsys.readouterr().err
     assert "for a square write 224x224, to keep the aspect ratio use --short-side 224" in err
+
+
+def test_compact_at_chooses_between_appending_and_a_compact_data_file(
+    small_folder, tmp_path, capsys
+):
+    cache = str(tmp_path / "c")
+    assert main(["build", str(small_folder), cache, "--workers", "0"]) == 0
+    capsys.readouterr()
+    for seed, share, where in [(1, "0", "a new data file"), (2, "100%", "appended")]:
+        write_image(small_folder / "cat" / "img_000.jpg", 64, 48, seed=seed)
+        args = ["build", str(small_folder), cache, "--workers", "0", "--compact-at", share]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "1 decoded" in out and f"({where}" in out
 
 
 def test_python_dash_m_and_the_demo(tmp_path):
