@@ -39,6 +39,7 @@ from mmcache import (
     InsufficientSpaceError,
     MemmapImageDataset,
     build_cache,
+    compact_cache,
     verify_cache,
 )
 from mmcache import format as fmt
@@ -268,22 +269,33 @@ def test_kill_9_during_a_first_build_leaves_no_cache_or_a_whole_one(source, tmp_
 
 
 def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_path, tally):
+    """Half the kills land in refreshes that append to the data file the previous generation
+    reads (--compact-at 1), half in refreshes that write a compact one (--compact-at 0)."""
     rng = np.random.default_rng(SEED + 1)
     cache = tmp_path / "cache"
     _build(source.roots["A"], cache)
     _build(source.roots["B"], cache)  # a refresh: reuses, decodes, drops
-    current, kills = "B", 0
-    for _ in range(3 * KILLS):  # until KILLS kills landed while the refresh ran
+    current = "B"
+    quota = {"appending": KILLS // 2, "compacting": KILLS - KILLS // 2}
+    kills: Counter = Counter()
+    for attempt in range(3 * KILLS):  # until KILLS kills landed while the refresh ran
+        needed = [k for k in quota if kills[k] < quota[k]]
+        kind = needed[attempt % len(needed)]
         target = "A" if current == "B" else "B"
+        data = fmt.read_manifest(cache).file("data")
         point = _build_point(rng, cache)
-        proc = _popen(*_build_cmd(source.roots[target], cache, int(rng.integers(1, 3))))
-        kills += _kill_when(proc, point)
+        cmd = _build_cmd(source.roots[target], cache, int(rng.integers(1, 3)))
+        proc = _popen(*cmd, "--compact-at", "1" if kind == "appending" else "0")
+        kills[kind] += _kill_when(proc, point)
         current = _served(cache, source, {current, target})
-        if kills == KILLS:
+        if current == target:  # it finished first: it did the kind of refresh asked for
+            assert (fmt.read_manifest(cache).file("data") == data) == (kind == "appending")
+        if kills == quota:
             break
-    assert kills == KILLS
-    tally["kills survived"] += kills
-    tally["kills: refresh"] += kills
+    assert kills == quota
+    tally["kills survived"] += KILLS
+    tally["kills: refresh"] += KILLS
+    tally["kills: refresh, appending"] += kills["appending"]
     build_cache(source.roots["A"], cache, workers=1)
     assert _served(cache, source, {"A"}) == "A"
     assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
@@ -361,8 +373,10 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
                 assert "disk is full" in str(e) and "previous cache" in str(e)
                 assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
                 tally["full disks survived"] += 1
+                tally["full disks: refresh, appending"] += 1
                 outcomes["refused"] += 1
             else:
+                assert fmt.read_manifest(cache).shares_data  # it appended, as the failed ones
                 assert _served(cache, source, {"B"}) == "B"
                 outcomes["built"] += 1
                 (disk / "filler").unlink()
@@ -377,6 +391,77 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         (disk / "filler").unlink()
         assert len(MemmapImageDataset(cache, on_stale="ignore")) == 20
         assert verify_cache(cache).ok
+
+
+def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally, monkeypatch):
+    import mmcache._writer as writer
+
+    # 20 files of A, then the same paths as B has them (some rewritten, some gone): a refresh
+    # that appends leaves the replaced records as garbage to compact.
+    versions = {}
+    for version in ("A", "B"):
+        versions[version] = tmp_path / version
+        for rel in sorted(source.refs["A"])[:20]:
+            if (source.roots[version] / rel).exists():
+                (versions[version] / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.link(source.roots[version] / rel, versions[version] / rel)
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        cache = disk / "cache"
+
+        def with_garbage() -> dict[str, bytes]:
+            shutil.rmtree(cache, ignore_errors=True)
+            build_cache(versions["A"], cache, workers=1)
+            build_cache(versions["B"], cache, workers=1, compact_at=1.0)
+            assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
+            return {p.name: p.read_bytes() for p in cache.iterdir()}
+
+        def pixels() -> dict[str, np.ndarray]:
+            ds = MemmapImageDataset(cache, on_stale="ignore")
+            return {
+                os.path.relpath(p, versions["B"]): ds[i][0] for i, (p, _) in enumerate(ds.samples)
+            }
+
+        before = with_garbage()
+        expected = pixels()
+        assert expected.keys() < source.refs["B"].keys()
+        assert all(np.array_equal(v, source.refs["B"][k]) for k, v in expected.items())
+        _fill(disk, 0)  # the free-space check refuses before writing anything
+        with pytest.raises(InsufficientSpaceError, match="free some space"):
+            compact_cache(cache)
+        assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
+        (disk / "filler").unlink()
+        # Past the check (as --force does for a build), to the disk filling up: while copying
+        # the records (less room than the live bytes), or writing the index, state, paths or
+        # manifest (a little more), or not at all.
+        monkeypatch.setattr(writer, "check_free_space", lambda *args, **kwargs: -1)
+        live = sum(v.nbytes for v in expected.values())
+        kib = 1024
+        leaves = [0, 64 * kib, live // 2, live - 4 * kib, live + 4 * kib, live + 12 * kib]
+        leaves += [live + 64 * kib]
+        outcomes = Counter()
+        for leave in leaves:
+            _fill(disk, leave)
+            try:
+                compact_cache(cache)
+            except InsufficientSpaceError as e:
+                assert "disk is full" in str(e) and "the cache is intact" in str(e)
+                assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
+                assert verify_cache(cache).ok
+                tally["full disks survived"] += 1
+                tally["full disks: compaction"] += 1
+                outcomes["refused"] += 1
+            else:
+                m = fmt.read_manifest(cache)
+                assert not m.shares_data and fmt.garbage_bytes(fmt.read_cache_files(m)) == 0
+                got = pixels()
+                assert got.keys() == expected.keys()
+                assert all(np.array_equal(got[k], expected[k]) for k in got)
+                outcomes["compacted"] += 1
+                (disk / "filler").unlink()
+                before = with_garbage()
+            with contextlib.suppress(FileNotFoundError):
+                (disk / "filler").unlink()
+        assert outcomes["refused"] >= 3 and outcomes["compacted"] >= 1
 
 
 def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
