@@ -86,8 +86,9 @@ class BuildReport:
 
 # A refresh appends what changed to the data file and leaves the records it replaces as garbage,
 # until garbage would pass this share of the file: then it writes a compact file instead. At 25%
-# the file stays within 4/3 of its live bytes, and refreshes that each replace 1% of the records
-# copy the whole cache once every ~25 of them (4% of a full copy per refresh, amortised).
+# the file stays within 4/3 of its live bytes (garbage up to 1/3 of them), so refreshes that each
+# replace 1% of the records copy the whole cache once every 34 of them (3% of a full copy per
+# refresh, amortised: 3 bytes copied per byte replaced). docs/refresh.md has the arithmetic.
 COMPACT_AT = 0.25
 
 
