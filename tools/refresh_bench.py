@@ -45,7 +45,7 @@ from mmcache.sample_data import make_image_folder  # noqa: E402
 
 PAGE = 4096
 # This VM's ext4 has no journal, so the inode, bitmap, directory and extent blocks a refresh
-# dirties (4 new files, 3 deleted, the data file grown) count as its writes: 2 to 14 pages
+# dirties (4 new files, 3 deleted, the data file grown) count as its writes: 1 to 10 pages
 # measured here. The kernel's count may pass the content's by this much.
 METADATA = 16 * PAGE
 PR_SET_CHILD_SUBREAPER = 36
