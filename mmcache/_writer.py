@@ -23,14 +23,20 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
-from ._feedback import ProgressFn
+from ._feedback import ProgressFn, human_bytes
 from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked
 from .decode import Options, decoder_accepted, decoder_versions
 from .errors import OptionsChangedError, SourceError, StrictBuildError
 from .scan import Listing, scan_source
-from .space import check_free_space, disk_bytes, disk_full_error, generation_sizes
+from .space import (
+    check_free_space,
+    disk_bytes,
+    disk_full_error,
+    free_bytes,
+    generation_sizes,
+)
 from .staleness import carried_trust, fingerprints, is_current, same_options, to_match, trust_record
 
 
@@ -53,7 +59,8 @@ class BuildReport:
     and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
     covers now (``fmt.garbage_bytes``: padding belongs to its record, so a first build or a
     compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
-    took out.
+    took out. ``compaction_deferred``: why a refresh appended although its garbage passed
+    ``compact_at`` (a compact data file would not fit on the disk), else empty.
     """
 
     cache: Path
@@ -74,6 +81,7 @@ class BuildReport:
     written_bytes: int = 0
     garbage_bytes: int = 0
     dropped_garbage: int = 0
+    compaction_deferred: str = ""
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
@@ -234,6 +242,7 @@ class Generation:
     data_gen: str = ""
     appended_after: int | None = None
     copied_bytes: int = 0
+    compaction_deferred: str = ""
 
     @property
     def data_path(self) -> Path:
@@ -278,12 +287,25 @@ def allocate(s: Session) -> Generation:
     _carry_skips(previous, listing, s.wanted, state, messages)
     skip = set(np.flatnonzero(state != fmt.EMPTY).tolist())
     kept = _kept_records(previous, listing, s.wanted)
-    layout = None
+    layout, appending, deferred = None, False, ""
     if previous is not None and kept is not None:
         layout = append_layout(listing, request.options, kept, previous, skip)
+        appending = True
         if _garbage_share(layout) > request.compact_at:
-            layout = None  # too much garbage: a compact data file instead
-    appending = layout is not None
+            # Too much garbage: a compact data file instead, if the disk has room for it
+            # beside the old one; else append now (it fits, or the check below says so) and
+            # compact when there is room, rather than refuse a refresh that would fit.
+            compact = plan_layout(listing, request.options)
+            needed = disk_bytes(generation_sizes(listing.paths, compact.data_bytes))
+            free = free_bytes(s.folder)
+            if request.force or free >= needed:
+                layout, appending = compact, False
+            else:
+                deferred = (
+                    f"the garbage passed compact_at={request.compact_at:g}, but a compact data "
+                    f"file needs {human_bytes(needed)} free and {human_bytes(free)} are: "
+                    "appended instead; free some space, then run `mmcache compact`"
+                )
     if layout is None:
         layout = plan_layout(listing, request.options)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
@@ -301,6 +323,7 @@ def allocate(s: Session) -> Generation:
         todo=[],
         data_gen=previous.manifest.data_generation if appending else gen,
         appended_after=previous.manifest.sizes["data"] if appending else None,
+        compaction_deferred=deferred,
     )
     # Before anything is written: the bytes this generation adds, while the old one stays.
     new_bytes = layout.data_bytes - (g.appended_after or 0)
@@ -435,6 +458,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         appended=g.appended_after is not None,
         written_bytes=pixels_written + sum(v for k, v in sizes.items() if k != "data"),
         garbage_bytes=max(0, data_bytes - live),
+        compaction_deferred=g.compaction_deferred,
         seconds=0.0,
         decoded=int((state[g.todo] == fmt.FILLED).sum()) if g.todo else 0,
         reused=g.reused,

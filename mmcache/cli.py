@@ -229,6 +229,8 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         if report.garbage_bytes:
             wrote += f"; {_garbage(report.garbage_bytes, report.bytes)}"
         out(wrote)
+    if report.compaction_deferred:
+        out(f"  not compacted: {report.compaction_deferred}")
     for s in report.skipped[:20]:
         out(f"  skipped {s['path']}: {s['reason']}")
     if len(report.skipped) > 20:

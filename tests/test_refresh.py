@@ -196,3 +196,25 @@ def test_a_cache_of_format_1_1_is_read_and_refreshed_into_2_0(tmp_path):
     assert_serves_the_source(old, src)
     assert not any(n.startswith(("index-" + m.generation, "state-")) and m.generation in n
                    for n in os.listdir(old))  # fmt: skip
+
+
+def test_a_refresh_with_no_room_to_compact_appends_and_says_so(tmp_path, capsys):
+    """Past compact_at a refresh writes a compact data file beside the old one; when the disk
+    lacks room for that but not for the appended records, it appends and says why."""
+    from conftest import tmpfs
+
+    src = make_folder(tmp_path / "src", {"a": [(320, 240)] * 20})  # 230 KB records, 4.6 MB
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        cache = disk / "cache"
+        build_cache(src, cache, workers=0)
+        for k in range(8):  # 40% replaced: past the default 25%
+            write_image(src / "a" / f"img_{k:03d}.jpg", 320, 240, seed=500 + k)
+        # 3.4 MB free: the 1.8 MB appended fit, a compact 4.6 MB data file does not
+        assert main(["build", str(src), str(cache), "--workers", "0"]) == 0
+        out = capsys.readouterr().out
+        files = files_of(cache)
+        assert files.manifest.shares_data  # appended to the first data file
+        assert "not compacted: the garbage passed compact_at=0.25, but a compact data" in out
+        assert "run `mmcache compact`" in out
+        assert fmt.garbage_bytes(files) == 8 * fmt.aligned(320 * 240 * 3)
+        assert_serves_the_source(cache, src)
