@@ -93,6 +93,81 @@ def test_dataloader_workers_under_each_start_method(tmp_path, start_method):
         assert np.array_equal(images[i].numpy(), ds[i][0])
 
 
+def test_in_place_writes_in_dataloader_workers_never_reach_a_later_read(cache):
+    def scribble(a):
+        a[:] = 0
+        return a
+
+    expected = [decode_image(p) for p, _ in MemmapImageDataset(cache).samples]
+    ds = MemmapImageDataset(cache, transform=scribble)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    for _ in range(2):  # the second epoch reads records the first wrote over, in other workers
+        assert all(img.max() == 0 for img, _ in loader)
+    ds.transform = None
+    assert all(np.array_equal(img.numpy(), expected[k]) for k, (img, _) in enumerate(loader))
+    assert all(np.array_equal(ds[i][0], expected[i]) for i in range(len(ds)))
+
+
+class _WorkerRss(MemmapImageDataset):
+    """Reads each image as the dataset does, touches its pixels, and gives back instead the
+    reading process's resident memory (VmRSS, kB) at that moment."""
+
+    def __getitem__(self, i):
+        img, _ = super().__getitem__(i)
+        total = int(img[::4, ::4].sum())  # every page of the record
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return rss, total
+
+
+def test_a_dataloader_workers_memory_stays_flat_however_much_of_the_cache_it_reads(tmp_path):
+    # 200 images of 320x240x3: 46 MB of pixels, all read by one DataLoader worker. Its
+    # resident memory, private and mapped alike, must not grow with what it has read.
+    src = make_folder(tmp_path / "m", {"a": [(320, 240)] * 200}, ext=".png")
+    build_cache(src, tmp_path / "mcache", workers=1)
+    ds = _WorkerRss(tmp_path / "mcache")
+    loader = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="fork")
+    rss, totals = (torch.cat(t).tolist() for t in zip(*loader))
+    assert len(rss) == 200 and all(t > 0 for t in totals)
+    growth_mb = (max(rss[16:]) - rss[16]) / 1024  # after the first batches' one-time setup
+    assert growth_mb < 10, f"a worker's memory grew by {growth_mb:.1f} MB reading 46 MB"
+
+
+def test_no_warning_under_w_error_with_the_default_collate(tmp_path):
+    # In a fresh interpreter run with -W error, which its DataLoader workers inherit whatever
+    # their start method: a warning anywhere (torch's "non-writable array" from the default
+    # collate, say) is an exception there, and fails the loop. Built and lazily filled records.
+    src = make_folder(tmp_path / "w", {"a": [(32, 24)] * 6, "b": [(32, 24)] * 6})
+    build_cache(src, tmp_path / "wcache", workers=1)
+    script = (
+        "import sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "from mmcache import MemmapImageDataset\n"
+        "def run(ds, **kw):\n"
+        "    for _ in range(2):\n"
+        "        loader = DataLoader(ds, batch_size=4, **kw)\n"
+        "        assert sum(len(labels) for _, labels in loader) == 12\n"
+        "if __name__ == '__main__':\n"
+        "    built = MemmapImageDataset(sys.argv[1])\n"
+        "    run(built)\n"
+        "    run(MemmapImageDataset(sys.argv[3], source=sys.argv[2]))\n"
+        "    for method in ('fork', 'forkserver', 'spawn'):\n"
+        "        run(built, num_workers=1, multiprocessing_context=method)\n"
+        "    run(MemmapImageDataset(sys.argv[4], source=sys.argv[2]), num_workers=2)\n"
+        "    print('ok')\n"
+    )
+    (tmp_path / "w_error.py").write_text(script)
+    caches = [str(tmp_path / "wcache"), str(src), str(tmp_path / "lazy"), str(tmp_path / "lazy2")]
+    r = subprocess.run(
+        [sys.executable, "-W", "error", str(tmp_path / "w_error.py"), *caches],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert "Warning" not in r.stderr, r.stderr[-3000:]
+
+
 def test_dataloader_in_process(tmp_path):
     ds = MemmapImageDataset(_equal_size_cache(tmp_path))
     batches = list(DataLoader(ds, batch_size=8, num_workers=0))

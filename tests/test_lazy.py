@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -425,6 +427,50 @@ def test_a_full_disk_raises_and_leaves_the_record_empty(src, tmp_path, monkeypat
     monkeypatch.undo()
     assert _codes(tmp_path / "cache")[0] == fmt.EMPTY
     assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))
+
+
+def test_in_place_writes_by_a_transform_never_change_a_later_read_of_a_filled_record(src, tmp_path):
+    def scribble(a):
+        a[:] = 0
+        return a
+
+    cache = tmp_path / "cache"
+    expected = [decode_image(p) for p, _ in MemmapImageDataset(cache, source=src).samples]
+    ds = MemmapImageDataset(cache, source=src, transform=scribble)
+    for i in range(0, 24, 2):  # these fill here, the others in the workers below
+        assert ds[i][0].max() == 0
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    for _ in range(2):  # fills, then reads of filled records, each written over in place
+        assert all(img.max() == 0 for img, _ in loader)
+    assert (_codes(cache) == fmt.FILLED).all()
+    ds.transform = None
+    assert all(np.array_equal(ds[i][0], expected[i]) for i in range(24))
+    assert_equals_build(cache, src, tmp_path / "ref", same_offsets=True)
+
+
+def test_a_data_file_truncated_after_filling_is_an_error_at_the_read_not_a_crash(src, tmp_path):
+    script = (
+        "import os, sys\n"
+        "from mmcache import MemmapImageDataset, CacheFormatError\n"
+        "ds = MemmapImageDataset(sys.argv[1], source=sys.argv[2])\n"
+        "for i in range(len(ds)):\n"
+        "    ds[i]\n"
+        "print('filled:', ds.filled(list(range(len(ds)))).all())\n"
+        "os.truncate(ds.data_path, 0)\n"
+        "try:\n"
+        "    ds[len(ds) - 1]\n"
+        "except CacheFormatError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cache"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr  # a SIGBUS would give -7
+    assert "filled: True" in r.stdout  # what it read last was a filled record
+    assert "refused:" in r.stdout and "truncated" in r.stdout
 
 
 def test_a_pickled_lazy_dataset_fills_in_the_new_process(src, tmp_path):
