@@ -110,6 +110,7 @@ def test_targets_are_computed_from_the_run(report):
         assert target.value == pytest.approx(value, rel=1e-3), name
         assert target.threshold == threshold, name
         assert target.passed is (value >= threshold if op == ">=" else value <= threshold), name
+    assert "into fresh memory alone adds" in got["lazy epoch 1 / decode-every-epoch epoch"].note
     # measured only by comparing two runs: no value, no verdict
     usage = got["worker USS flat from 1k to 4k images (MB)"]
     assert usage.passed is None and "--images 1000 and 4000" in usage.note
@@ -135,6 +136,12 @@ def test_report_files(report, tmp_path):
     assert data["settings"]["batch_size"] == 4
     assert data["write_rate"]["after_pause"] > 0 and data["write_rate"]["back_to_back"] > 0
     assert "into fresh memory" in md and "t_decode + t_write" in md
+    by_key = {m["key"]: m for m in data["methods"]}
+    for key in ("mmcache", "batch_loader", "copy_loop"):  # they read the built cache
+        assert 0 <= by_key[key]["cache_resident"] <= 1, key
+    assert by_key["decode"]["cache_resident"] is None
+    if Path("/sys/module/page_reporting/parameters/reported_kib").exists():
+        assert all(m["reported_mib"] >= 0 for m in data["methods"])
     pytest.importorskip("matplotlib")
     assert (tmp_path / "out" / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
