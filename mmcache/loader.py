@@ -16,11 +16,18 @@ whatever the thread count, and ``state_dict`` / ``load_state_dict`` resume an ep
 When the cache does not fit in RAM the threads read with ``pread`` instead of copying from the
 mapping: under memory pressure every page fault on a mapping also pays for reclaiming mapped
 pages, which made a mapped random order many times slower than ``pread``. In RAM the mapping is
-faster. docs/loader.md gives both measurements and their commands.
+faster. docs/loader.md gives both measurements and their commands. A shuffled order is read
+through a descriptor advised ``POSIX_FADV_RANDOM``: the kernel otherwise takes a read whose
+preceding record is cached for a sequential stream and reads ahead records the order will not
+want yet, which costs a slow disk more reads than the order makes. A sampler that reads ahead
+itself (``QuasiRandomSampler``) is told, batch by batch, how far the threads have got, and a
+thread waits for the buffer it needs to be read rather than ask the disk for its records one
+by one.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import warnings
@@ -40,6 +47,11 @@ from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
 
+# An order with fewer steps forward by at most NEARBY records than this share is read as a
+# random one (see the module docstring); a sequential order (shuffle=False), or a rank's strided
+# share of one (DistributedSampler without shuffling), keeps the kernel's read-ahead.
+SEQUENTIAL_SHARE = 0.5
+NEARBY = 8
 # Uniform numbers for boxes and flips come in blocks of this many positions, each block from
 # its own generator keyed by (seed, epoch, rank, block): any batch is drawn without drawing the
 # epoch before it, whatever the batch size or thread count.
@@ -257,7 +269,10 @@ class BatchLoader:
         if seed is None:
             raise ValueError("plan(): seed=None and no iteration has drawn a seed yet")
         first = batch * self.batch_size
-        idx = self._order(seed)[first : first + self.batch_size]
+        order, ahead = self._order(seed)
+        if ahead is not None:
+            ahead.close()  # only the order is wanted here
+        idx = order[first : first + self.batch_size]
         shapes = self.dataset.records.shapes[idx]
         boxes, flips = _draw(self.crop, self.flip, (seed, self.epoch, self._rank()), shapes,
                              first, _Scratch())  # fmt: skip
@@ -271,12 +286,25 @@ class BatchLoader:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return int(rank)
 
-    def _order(self, seed: int) -> np.ndarray:
+    def _order(self, seed: int) -> tuple[np.ndarray, Any]:
+        """This iteration's order, and the sampler's read-ahead to drive (or None).
+
+        A sampler with ``take_epoch`` (``QuasiRandomSampler``) gives its order at once and a
+        read-ahead that follows the positions the threads report; iterating it here would
+        request the whole epoch's reads before the first batch.
+        """
         n = len(self.dataset)
-        if self.sampler is not None:
+        ahead = None
+        if hasattr(self.sampler, "take_epoch"):
+            order, ahead = self.sampler.take_epoch()
+            order = np.asarray(order, np.int64)
+        elif self.sampler is not None:
             order = np.fromiter((int(i) for i in self.sampler), np.int64)
+        if self.sampler is not None:
             bad = (order < 0) | (order >= n)
             if bad.any():
+                if ahead is not None:
+                    ahead.close()
                 raise IndexError(
                     f"sampler gave index {int(order[bad][0])}, outside 0..{n - 1} for {n} images"
                 )
@@ -286,7 +314,7 @@ class BatchLoader:
             order = np.arange(n, dtype=np.int64)
         if self.drop_last:
             order = order[: self._num_batches(len(order)) * self.batch_size]
-        return order
+        return order, ahead
 
     def _num_batches(self, count: int) -> int:
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
@@ -327,7 +355,8 @@ class BatchLoader:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
         start, self._start = self._start, 0
-        it = _Iteration(self, self._order(seed), seed, start)
+        order, ahead = self._order(seed)
+        it = _Iteration(self, order, ahead, seed, start)
         self._done = start
         self._live = weakref.ref(it)
         return it
@@ -457,9 +486,12 @@ class _Shared:
 class _Iteration:
     """One pass over a BatchLoader's order: starts the threads, hands out batches in order."""
 
-    def __init__(self, loader: BatchLoader, order: np.ndarray, seed: int, start: int) -> None:
+    def __init__(
+        self, loader: BatchLoader, order: np.ndarray, ahead: Any, seed: int, start: int
+    ) -> None:
         ds = loader.dataset
         ring = loader._buffers()
+        mapped = len(order) > 0 and loader._reads_mapped()
         self._loader = loader
         self._shared = shared = _Shared()
         self._count = -(-len(order) // loader.batch_size)
@@ -480,7 +512,9 @@ class _Iteration:
             dataset=ds,
             records=ds.records,
             data=_as_tensor(ds.mapping()) if len(order) else None,
-            mapped=len(order) > 0 and loader._reads_mapped(),
+            mapped=mapped,
+            read_ahead=ahead,
+            fd=-1 if mapped or ahead is not None or not len(order) else _random_reader(ds, order),
             crop=loader.crop,
             size=loader.crop.size if loader.crop is not None else None,
             flip=loader.flip,
@@ -494,7 +528,7 @@ class _Iteration:
         ]
         for t in self._threads:
             t.start()
-        self._finalizer = weakref.finalize(self, _stop, shared, self._threads)
+        self._finalizer = weakref.finalize(self, _stop, shared, self._threads, job)
 
     def __iter__(self) -> _Iteration:
         return self
@@ -550,7 +584,7 @@ class _Job:
         self.__dict__.update(kw)
 
 
-def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
+def _stop(shared: _Shared, threads: list[threading.Thread], job: _Job) -> None:
     with shared.cond:
         shared.stop = True
         shared.cond.notify_all()
@@ -558,6 +592,33 @@ def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
     for t in threads:
         if t is not me:
             t.join()
+    if job.read_ahead is not None:
+        job.read_ahead.close()
+    if job.fd >= 0:
+        os.close(job.fd)
+        job.fd = -1
+
+
+def _random_reader(ds: MemmapImageDataset, order: np.ndarray) -> int:
+    """A descriptor of the data file advised ``POSIX_FADV_RANDOM`` for a shuffled order's
+    ``pread``s (see the module docstring), or -1: a sequential order, or no such advice here
+    (the dataset's own reads are used then)."""
+    steps = np.diff(order)
+    forward = np.count_nonzero((steps > 0) & (steps <= NEARBY))  # in order, or a small stride
+    if len(steps) == 0 or forward >= SEQUENTIAL_SHARE * len(steps):
+        return -1
+    if not hasattr(os, "posix_fadvise"):
+        return -1
+    try:
+        fd = os.open(ds.data_path, os.O_RDONLY)
+    except OSError:
+        return -1  # a data file replaced since the dataset opened: read through the dataset
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _work(job: _Job, shared: _Shared, k: int) -> None:
@@ -581,6 +642,12 @@ def _work(job: _Job, shared: _Shared, k: int) -> None:
                 if shared.stop:
                     return
             slot = k if cuda else u % slots
+            if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
+                first = u * job.batch_size
+                last = min(first + job.batch_size, len(job.order)) - 1
+                for position in (first, last):
+                    job.read_ahead.reached(position)
+                    job.read_ahead.wait(position)
             n = _fill(job, slot, u, shared, scratch)
             if n is None:
                 return
@@ -660,7 +727,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
             elif mapped:
                 flat[j] = data[off : off + nbytes]
             else:
-                ds.read_into(r, flat[j])
+                _pread(job, r, off, flat[j])
         else:
             top, left, bh, bw = boxes[j]
             src = _box_rows(job, r, off, shapes[j], top, bh, filled[j], scratch)
@@ -706,8 +773,16 @@ def _box_rows(
     if job.mapped:
         return job.data[off : off + h * w * c].view(h, w, c)[top : top + rows]
     buf = scratch.take("rows", rows * w * c)
-    job.dataset.read_into(r, buf, top * w * c)
+    _pread(job, r, off, buf, top * w * c)
     return torch.from_numpy(buf).view(rows, w, c)
+
+
+def _pread(job: _Job, r: int, off: int, out: np.ndarray, start: int = 0) -> None:
+    """Read ``out.nbytes`` of record ``r`` (at ``off``) from byte ``start`` of it on: through the
+    iteration's own descriptor when it has one, else (or on a short read, so that the error
+    is the dataset's) through the dataset."""
+    if job.fd < 0 or os.preadv(job.fd, [out], off + start) != out.nbytes:
+        job.dataset.read_into(r, out, start)
 
 
 def _as_tensor(mapping: np.ndarray) -> torch.Tensor:

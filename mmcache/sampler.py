@@ -1,20 +1,29 @@
 """``QuasiRandomSampler``: a shuffled order that reads a cache larger than RAM mostly sequentially.
 
 With a plain random order over a cache that does not fit in RAM, an epoch's page-cache hit rate
-is about RAM / cache size and every miss is a small random read. This sampler shuffles *blocks*
+is at most RAM / cache size and every miss is a small random read. This sampler shuffles *blocks*
 of consecutive records, then shuffles records within a *buffer* of a few blocks: the records in
 RAM at any time are those of about one buffer, each block is read from disk once per epoch, and
-(given a ``MemmapImageDataset``) the sampler asks the kernel to read the next buffer's blocks
-ahead, as large sequential reads, while the current one is consumed.
+(given a ``MemmapImageDataset``) the sampler reads the next buffer's blocks ahead, as large
+sequential reads, while the current one is consumed.
 
 The order mixes less than a full shuffle: a batch draws from the ``buffer_blocks`` blocks of one
 buffer. Blocks are small (about 8 MiB) and a buffer holds many (32), so a batch of 256 images
 still comes from up to 32 places spread over the dataset.
+
+The read-ahead follows consumption, not iteration: ``ReadAhead`` is told the position in the
+epoch's order that has been reached and reads the buffer after the current one, only then. A
+loader that takes the whole order at once (``BatchLoader``) reports positions as it fills
+batches; reading the whole epoch ahead up front would push its start out of a page cache that
+holds half of it before it is used.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import os
+import queue
 import threading
 from collections.abc import Iterator, Sized
 
@@ -23,6 +32,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from .dataset import MemmapImageDataset
+from .residency import memory
+
+logger = logging.getLogger(__name__)
 
 # 8 MiB of consecutive records is a sequential read long enough that a disk's seek is a small
 # part of it (an HDD's 10 ms seek against 55 ms of transfer at 150 MB/s), and small enough that
@@ -31,6 +43,17 @@ BLOCK_BYTES = 8 << 20
 DEFAULT_BUFFER_BLOCKS = 32
 # For a dataset whose record sizes are unknown (not a MemmapImageDataset).
 DEFAULT_BLOCK_SIZE = 64
+# The buffers read ahead may take this share of the RAM available (a memory cgroup's limit
+# counts): the rest is for the process's own growth and other files. A buffer read ahead
+# into a page cache that cannot hold it beside the current one would push out records not yet
+# used, which are then read twice.
+READ_AHEAD_SHARE = 0.8
+# Reading ahead reads runs of records with pread, in pieces of this size, rather than advising
+# WILLNEED: the kernel's read-ahead of a sequential pread fills large folios and sends reads
+# of up to 4 MB, while WILLNEED under memory pressure fills single pages and sent reads of
+# about 600 KB, which an IOPS-limited disk (150 IOPS: 90 MB/s) serves at a fraction of its
+# bandwidth (docs/residency.md).
+READ_PIECE = 8 << 20
 
 
 class QuasiRandomSampler(Sampler[int]):
@@ -55,8 +78,11 @@ class QuasiRandomSampler(Sampler[int]):
             is initialised, else 1 and 0.
         buffer_blocks: blocks whose records are shuffled together.
         drop_last: see above; only matters with several replicas.
-        prefetch: for a ``MemmapImageDataset``, advise the kernel to read the next buffer's
-            blocks while this one is consumed (``posix_fadvise WILLNEED``, in a thread).
+        prefetch: for a ``MemmapImageDataset``, read the next buffer's blocks, as large
+            sequential reads from a thread, while this one is consumed, and wait for a buffer
+            to be read before yielding its records; for a cache larger than the RAM available,
+            drop the buffers consumed but the epoch's last (see ``ReadAhead``). When the RAM
+            available cannot hold two buffers, only the current one is read ahead.
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -162,22 +188,31 @@ class QuasiRandomSampler(Sampler[int]):
         starts = np.flatnonzero(np.diff(buffer, prepend=-1) != 0)
         return order, starts
 
-    def __iter__(self) -> Iterator[int]:
+    def take_epoch(self) -> tuple[np.ndarray, ReadAhead | None]:
+        """What iterating now would yield, as one int64 array, and (with ``prefetch``, for a
+        ``MemmapImageDataset``) a started ``ReadAhead`` for it, to be told with ``reached``
+        how far consumption has got and closed after. For loaders that take the whole order
+        at once; like iterating, it ends a resumed epoch's offset.
+        """
         order, starts = self._epoch()
         skip, self.start = self.start, 0
         if skip:  # a resumed epoch: from position ``skip`` of its order
             order, starts = order[skip:], np.unique(np.maximum(starts - skip, 0))
         if not (self.prefetch and self._layout is not None and len(order)):
+            return order, None
+        return order, ReadAhead(*self._layout, order, starts)
+
+    def __iter__(self) -> Iterator[int]:
+        order, ahead = self.take_epoch()
+        if ahead is None:
             yield from order.tolist()
             return
-        bounds = [*starts.tolist(), len(order)]
-        buffers = [order[a:z] for a, z in zip(bounds[:-1], bounds[1:])]
-        with _Prefetcher(*self._layout) as prefetcher:
-            prefetcher.advise(buffers[0])
-            for k, buf in enumerate(buffers):
-                if k + 1 < len(buffers):
-                    prefetcher.advise(buffers[k + 1])
-                yield from buf.tolist()
+        with ahead:
+            bounds = [*ahead.starts, len(order)]
+            for a, z in zip(bounds[:-1], bounds[1:]):
+                ahead.reached(a)
+                ahead.wait(a)
+                yield from order[a:z].tolist()
 
 
 def _distributed() -> bool:
@@ -199,40 +234,162 @@ def _default_block_size(n: int, layout: tuple[str, np.ndarray, np.ndarray] | Non
     return max(1, BLOCK_BYTES // mean)
 
 
-class _Prefetcher:
-    """Asks the kernel, from a thread, to read the byte ranges of the given records."""
+class ReadAhead:
+    """Reads an epoch's buffers ahead of consumption, one buffer ahead, and (for a cache larger
+    than the RAM available) drops the buffers consumed.
 
-    def __init__(self, path: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        self.path, self.offsets, self.sizes = path, offsets, sizes
-        self.fd = -1
-        self.thread: threading.Thread | None = None
+    ``reached(position)`` says that consumption has got to ``position`` of the order: the
+    buffer holding it and the next are then read, each once, in file order, as runs of
+    consecutive records in pieces of ``READ_PIECE``: long sequential reads. When the RAM
+    available cannot hold both, only the current buffer is read (or, if it does not fit
+    either, nothing). ``wait(position)`` then returns once the buffer holding ``position`` is
+    read: a reader that went on would ask the disk for its records one at a time, and on a
+    slow disk those small reads, not the buffer's large ones, would set the pace.
 
-    def __enter__(self) -> _Prefetcher:
+    When the data file is larger than the RAM available, the buffers before the previous one
+    are dropped (``POSIX_FADV_DONTNEED``), except the epoch's last ones that fit beside the
+    buffers in use: those are what the next epoch can find in RAM. Left to itself the kernel
+    evicts the oldest pages, and in an order that visits every record once an epoch, the next
+    epoch's reads push out most of what one epoch leaves before they reach it; read twice
+    (ahead, then by the loader), this epoch's records would also count as in use and crowd out
+    the buffer read ahead. The previous buffer is kept because a DataLoader's workers, or the
+    loader's other threads, may still be reading it.
+
+    The reads run in one thread, a piece after the other, so the page cache fills as fast as
+    the disk delivers and no faster. Thread-safe; ``close`` (or ``with``) stops the thread
+    between pieces and releases any ``wait``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        order: np.ndarray,
+        starts: np.ndarray,
+    ) -> None:
+        self.offsets, self.sizes, self.order = offsets, sizes, order
+        self.starts = starts.tolist()
+        self.bytes = np.add.reduceat(sizes[order], starts).tolist() if len(order) else []
+        self.requested = 0  # buffers before this one are requested (or passed over)
+        self.read = 0  # buffers before this one are read (or will not be)
+        self.dropped = 0  # buffers before this one are dropped (or kept)
+        self.keep_from = 0  # buffers from this one on are never dropped
+        available = memory().available
+        if len(order) and int((offsets + sizes).max()) > available:
+            # Keep the epoch's tail that fits beside three buffers (the previous, the current
+            # and the next): the buffers from keep_from on.
+            tail = available * READ_AHEAD_SHARE - 3 * max(self.bytes)
+            from_b = np.cumsum(self.bytes[::-1])[::-1]  # bytes of buffers b..last
+            fits = np.flatnonzero(from_b <= tail)
+            self.keep_from = int(fits[0]) if len(fits) else len(self.starts)
+        self.cond = threading.Condition()
+        self.requests: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        self.stopped = False
+        self.warned = False
         try:
-            self.fd = os.open(self.path, os.O_RDONLY)
+            self.fd = os.open(path, os.O_RDONLY)
         except OSError:
-            self.fd = -1  # a rebuilt cache: the dataset will say so; prefetching is only advice
+            self.fd = -1  # a rebuilt cache: the dataset will say so; reading ahead is a hint
+        self.thread = None
+        if self.fd >= 0 and hasattr(os, "posix_fadvise"):
+            self.thread = threading.Thread(target=self._run, name="mmcache-prefetch", daemon=True)
+            self.thread.start()
+
+    def __enter__(self) -> ReadAhead:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._join()
-        if self.fd >= 0:
-            os.close(self.fd)
+        self.close()
 
-    def _join(self) -> None:
+    def buffer(self, position: int) -> int:
+        """The buffer that holds ``position`` of the order."""
+        return bisect.bisect_right(self.starts, position) - 1
+
+    def reached(self, position: int) -> None:
+        """Consumption has reached ``position`` of the order: request what it needs next."""
+        if self.thread is None:
+            return
+        k = self.buffer(position)
+        with self.cond:
+            drop = min(k - 1, self.keep_from)
+            for b in range(self.dropped, drop):
+                self.requests.put(("drop", b))
+            self.dropped = max(self.dropped, drop)
+            if k + 1 < self.requested:
+                return  # this buffer and the next are requested already
+            last = min(k + 1, len(self.starts) - 1)
+            room = memory().available * READ_AHEAD_SHARE
+            if sum(self.bytes[k : last + 1]) > room:
+                last = k if self.bytes[k] <= room else k - 1
+                self._warn(room)
+            for b in range(max(self.requested, k), last + 1):
+                self.requests.put(("read", b))
+            self.requested = max(self.requested, last + 1, k)
+
+    def wait(self, position: int) -> None:
+        """Return once the buffer holding ``position`` is read, if it was requested."""
+        k = self.buffer(position)
+        with self.cond:
+            while not self.stopped and self.read <= k < self.requested:
+                self.cond.wait()
+
+    def _run(self) -> None:
+        """The thread: read or drop each requested buffer in turn, until None comes."""
+        piece = np.empty(0, np.uint8)
+        try:
+            while not self.stopped and (request := self.requests.get()) is not None:
+                what, b = request
+                for offset, length in self._runs(b):
+                    if self.stopped:
+                        return
+                    if what == "drop":
+                        os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
+                        continue
+                    if piece.size == 0:
+                        piece = np.empty(READ_PIECE, np.uint8)
+                    for at in range(offset, offset + length, READ_PIECE):
+                        if self.stopped:
+                            return
+                        os.preadv(self.fd, [piece[: min(READ_PIECE, offset + length - at)]], at)
+                if what == "read":
+                    with self.cond:
+                        self.read = b + 1
+                        self.cond.notify_all()
+        except OSError:
+            pass  # the file went away, or fadvise is unsupported here: reading ahead is a hint
+        finally:
+            with self.cond:
+                self.stopped = True  # nothing more will be read: release the waits
+                self.cond.notify_all()
+
+    def _runs(self, b: int) -> list[tuple[int, int]]:
+        end = self.starts[b + 1] if b + 1 < len(self.starts) else len(self.order)
+        return _runs(np.sort(self.order[self.starts[b] : end]), self.offsets, self.sizes)
+
+    def _warn(self, room: float) -> None:
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "QuasiRandomSampler: two buffers of %.0f MB do not fit in the %.0f MB of RAM "
+                "that reading ahead may use; it reads less ahead. A smaller buffer_blocks or "
+                "block_size would let it read the next buffer while this one is used",
+                max(self.bytes) / 1e6,
+                room / 1e6,
+            )
+
+    def close(self) -> None:
+        """Stop the thread (between pieces) and release any wait."""
         if self.thread is not None:
+            with self.cond:
+                self.stopped = True
+                self.cond.notify_all()
+            self.requests.put(None)
             self.thread.join()
             self.thread = None
-
-    def advise(self, records: np.ndarray) -> None:
-        if self.fd < 0 or not len(records) or not hasattr(os, "posix_fadvise"):
-            return
-        ranges = _runs(np.sort(records), self.offsets, self.sizes)
-        self._join()  # one request in flight: the previous buffer's reads come first
-        self.thread = threading.Thread(
-            target=_advise, args=(self.fd, ranges), name="mmcache-prefetch", daemon=True
-        )
-        self.thread.start()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _runs(records: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
@@ -243,11 +400,3 @@ def _runs(records: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[t
     starts = offsets[firsts]
     ends = offsets[lasts] + sizes[lasts]
     return list(zip(starts.tolist(), (ends - starts).tolist()))
-
-
-def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
-    for offset, length in ranges:
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return  # unsupported here, or the file went away: it was only advice

@@ -283,6 +283,25 @@ def test_auto_reads_with_pread_only_when_the_cache_does_not_fit_in_ram(
     assert all(np.array_equal(torch.cat(batches)[i].numpy(), ds[i][0]) for i in range(N))
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_shuffled_order_is_read_without_the_kernel_s_read_ahead(ds, monkeypatch, shuffle):
+    # The kernel takes a read whose preceding record is cached for a sequential stream and
+    # reads ahead records a shuffled order does not want yet; a sequential order wants them.
+    advised, real_fadvise = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), advice))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    loader = BatchLoader(ds, 5, shuffle=shuffle, seed=0, read="pread")
+    seen, _ = _collect(loader, ds)
+    monkeypatch.undo()
+    assert sorted(seen) == list(range(N))  # the right pixels, read either way
+    random_reads = [path for path, advice in advised if advice == os.POSIX_FADV_RANDOM]
+    assert random_reads == ([str(ds.data_path)] if shuffle else [])
+
+
 def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_path):
     shutil.copytree(cache, tmp_path / "cache")
     ds = MemmapImageDataset(tmp_path / "cache")

@@ -159,12 +159,170 @@ def test_prefetch_reads_the_next_buffer(tmp_path):
     _evicted(tmp_path / "c")
     s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2)
     it = iter(s)
-    next(it)  # advises buffers 0 and 1 (16 records), reads no pixels itself
-    it.close()
-    # posix_fadvise(WILLNEED) returns once the reads are queued: wait for the disk to do them.
-    # Nothing else reads this file, so pages can only come from the sampler's advice.
+    next(it)  # starts reading buffers 0 and 1 (16 records) in a thread; no pixels read here
+    # Nothing else reads this file, so pages can only come from the sampler's read-ahead.
     wanted = 16 * 128 * 96 * 3
     wait_until(
         lambda: cache_info(tmp_path / "c", check_stale=False).resident_bytes >= wanted,
-        "the advised records to become resident",
+        "the records read ahead to become resident",
     )
+    it.close()
+
+
+def _spy_reads(monkeypatch, data_path):
+    """Record what is asked of the data file through descriptors opened after this call:
+    ("read", offset, length) for preadv and WILLNEED, ("drop", offset, length) for DONTNEED."""
+    import os
+
+    seen, fds = [], set()
+    real_open, real_preadv, real_fadvise = os.open, os.preadv, os.posix_fadvise
+
+    def spy_open(path, *a, **kw):
+        fd = real_open(path, *a, **kw)
+        if os.path.samefile(path, data_path):
+            fds.add(fd)
+        return fd
+
+    def spy_preadv(fd, buffers, offset):
+        if fd in fds:
+            seen.append(("read", offset, sum(memoryview(b).nbytes for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    def spy_fadvise(fd, offset, length, advice):
+        if fd in fds and advice in (os.POSIX_FADV_WILLNEED, os.POSIX_FADV_DONTNEED):
+            kind = "read" if advice == os.POSIX_FADV_WILLNEED else "drop"
+            seen.append((kind, offset, length))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "preadv", spy_preadv)
+    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    return seen
+
+
+def _records_touched(seen, kind, ds) -> set[int]:
+    """Records that the ``kind`` requests in ``seen`` cover whole."""
+    offsets, sizes = ds.records.offsets, ds.records.nbytes
+    touched = set()
+    for what, offset, length in list(seen):
+        if what == kind:
+            inside = (offsets >= offset) & (offsets + sizes <= offset + length)
+            touched |= set(np.flatnonzero(inside).tolist())
+    return touched
+
+
+@pytest.fixture
+def blocks_cache(tmp_path):
+    """64 records of 36 KiB: with blocks of 4 and buffers of 2 blocks, 8 buffers of 8."""
+    make_folder(tmp_path / "src", {"a": [(128, 96)] * 64})
+    build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    return MemmapImageDataset(tmp_path / "c")
+
+
+def _buffers(sampler) -> list[set[int]]:
+    order, starts = sampler._epoch()
+    bounds = [*starts.tolist(), len(order)]
+    return [set(order[a:z].tolist()) for a, z in zip(bounds[:-1], bounds[1:])]
+
+
+def test_read_ahead_follows_the_batch_loader_not_the_whole_epoch(blocks_cache, monkeypatch):
+    from mmcache import BatchLoader
+
+    ds = blocks_cache
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
+    buffers = _buffers(s)
+    seen = _spy_reads(monkeypatch, ds.data_path)
+    # read="mmap": the loader's own copies make no request, so every request is read-ahead.
+    # One thread, one batch ahead: the first batch fills, the threads stay in buffer 0.
+    loader = BatchLoader(ds, 2, sampler=s, num_threads=1, prefetch=1, read="mmap")
+    it = iter(loader)
+    images, _ = next(it)
+    wait_until(lambda: buffers[0] <= _records_touched(seen, "read", ds), "buffer 0 read")
+    # BatchLoader takes the epoch's order at once; its read-ahead must still go no further
+    # than the buffer after the one the threads are in, not read the whole epoch up front.
+    assert _records_touched(seen, "read", ds) <= buffers[0] | buffers[1]
+    rest = [x.clone() for x, _ in it]
+    assert len(rest) == 31 and images.shape == (2, 96, 128, 3)
+    assert _records_touched(seen, "read", ds) == set(range(64))  # every buffer in its turn
+
+
+def test_a_consumer_waits_for_its_buffer_to_be_read(blocks_cache, monkeypatch):
+    import os
+    import threading
+
+    from mmcache.sampler import ReadAhead
+
+    ds = blocks_cache
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
+    order, starts = s._epoch()
+    release = threading.Event()
+    real_preadv = os.preadv
+
+    def slow_preadv(fd, buffers, offset):
+        release.wait(60)  # the disk is slow until the test says otherwise
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    ahead = ReadAhead(str(ds.data_path), ds.records.offsets, ds.records.nbytes, order, starts)
+    waited = threading.Event()
+
+    def consumer():
+        ahead.reached(0)
+        ahead.wait(0)
+        waited.set()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    assert not waited.wait(0.5)  # buffer 0 is not read yet: the consumer waits for it
+    release.set()
+    wait_until(waited.is_set, "the wait to end once buffer 0 is read")
+    t.join()
+    ahead.wait(starts[-1])  # a buffer never asked for is not waited for
+    ahead.close()
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_consumed_buffers_are_dropped_only_when_the_cache_does_not_fit(
+    blocks_cache, monkeypatch, fits
+):
+    from mmcache.residency import Memory
+
+    ds = blocks_cache
+    data = int(ds.manifest.sizes["data"])  # 64 records of 36,864 bytes: 2.4 MB
+    buffer = 8 * 128 * 96 * 3
+    # Not fitting: RAM for 7.6 buffers of the 8. Reading ahead may use 80% of it: three
+    # buffers in use (the previous, the current, the next) and the epoch's last three, kept.
+    available = 10 * data if fits else int(7.6 * buffer)
+    monkeypatch.setattr(sampler_mod, "memory", lambda: Memory(2 * available, available))
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
+    buffers = _buffers(s)
+    seen = _spy_reads(monkeypatch, ds.data_path)
+    it = iter(s)
+    order = [next(it) for _ in range(len(s))]  # the whole epoch, the iteration still open
+    assert sorted(order) == list(range(64))
+    if fits:
+        wait_until(lambda: _records_touched(seen, "read", ds) == set(range(64)), "all read")
+        assert _records_touched(seen, "drop", ds) == set()
+    else:
+        assert available < data and 3 * buffer <= 0.8 * available - 3 * buffer < 4 * buffer
+        dropped = set().union(*buffers[:5])  # the last three are kept for the next epoch
+        wait_until(lambda: _records_touched(seen, "drop", ds) == dropped, "the drops")
+        assert not _records_touched(seen, "drop", ds) & set().union(*buffers[5:])
+    it.close()
+
+
+def test_read_ahead_reads_only_the_current_buffer_when_two_do_not_fit(blocks_cache, monkeypatch):
+    from mmcache.residency import Memory
+
+    ds = blocks_cache
+    buffer = 8 * 128 * 96 * 3
+    available = int(1.5 * buffer / 0.8)  # reading ahead may use 1.5 buffers of it
+    monkeypatch.setattr(sampler_mod, "memory", lambda: Memory(10 * available, available))
+    s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
+    buffers = _buffers(s)
+    seen = _spy_reads(monkeypatch, ds.data_path)
+    it = iter(s)
+    next(it)
+    wait_until(lambda: buffers[0] <= _records_touched(seen, "read", ds), "buffer 0 read")
+    assert _records_touched(seen, "read", ds) == buffers[0]  # not the next: it would not fit
+    it.close()
