@@ -1,35 +1,53 @@
-"""Epoch throughput when the cache is larger than RAM: a memory-limited cgroup, four loaders.
+"""Epochs of a cache twice the page cache it may use, on local disk, a cloud volume or an HDD.
 
-Run as root (a memory cgroup is made and torn down)::
+Run as root (a memory cgroup and a blkio cgroup are made, and removed on exit)::
 
-    python tools/larger_than_ram.py --workdir /var/tmp/ltr            # 2 GB of 720x480 records
-    python tools/larger_than_ram.py --workdir /tmp/ltr --gb 0.4 --epochs 2   # a quick run
+    python tools/larger_than_ram.py --workdir /var/tmp/ltr --storage local
+    python tools/larger_than_ram.py --workdir /var/tmp/ltr --storage cloud-volume
+    python tools/larger_than_ram.py --workdir /var/tmp/ltr --storage hdd
+    python tools/larger_than_ram.py --workdir /var/tmp/ltr --iops 500 --bps 50000000
+    python tools/larger_than_ram.py --workdir /tmp/ltr --gb 0.2 --epochs 1   # a quick run
 
-It generates photo-like JPEGs (kept in --workdir for the next run), builds a cache of them, then
-for each row spawns a measuring process inside a child memory cgroup. The group's limit caps
-the processes' own memory and the page cache they fill together, so each row is first run for
-a few untimed batches in the group without a limit to learn what its processes hold (Python,
-torch, the DataLoader workers and the batches in flight in shared memory: several hundred MB);
-the timed run then gets a limit of that plus ``--limit-ratio`` (default half) of the cache
-size, which is what is left for the page cache. Before each run the source files and the cache
-are evicted from the page cache (and, if allowed, ``/proc/sys/vm/drop_caches`` is written).
-Rows:
+Storage profiles are read limits that the cgroup v1 blkio controller enforces on the disk that
+holds --workdir (``blkio.throttle.read_iops_device`` and ``read_bps_device``): ``local`` is the
+disk as it is, ``cloud-volume`` a general-purpose cloud block volume (3,000 IOPS, 125 MB/s),
+``hdd`` a spinning disk (150 IOPS, 150 MB/s). A throttle check reads the cold data file under
+the limits before the rows, and prints what it got.
 
-- ``decode``: decode the JPEGs every epoch (``DecodingDataset``), random order;
-- ``random``: mmcache with a random order (``RandomSampler``);
-- ``quasi``: mmcache with ``QuasiRandomSampler``;
+It generates photo-like JPEGs of ImageNet-like sizes (500x375, 375x500, 500x333, 333x500; kept
+in --workdir for the next run) and builds two caches of about --gb each: one of 224x224 records
+(``--size 224x224``, one shape: for the DataLoader and BatchLoader) and one of shorter side 256
+(``--short-side 256``: 341x256, 256x341, 384x256, 256x384; for ``BatchLoader(crop=
+RandomResizedCrop(224), flip=True)``). Each row runs in a fresh process inside a memory cgroup
+whose limit is the row's own memory (measured first, unthrottled) plus --limit-ratio (default
+half) of the cache: that is what the page cache may hold. Before each row the page cache is
+dropped (the files are evicted and ``/proc/sys/vm/drop_caches`` is written) and the resident
+share is checked. Rows:
+
+- ``decode``: decode the JPEGs every epoch in a DataLoader, a random order (resized to 224x224;
+  for the crop loader, ``RandomResizedCrop(224)`` + flip of the full image, torchvision's
+  recipe); the JPEG reads go through the same throttle;
+- ``random``: mmcache, a random order;
+- ``quasi``: mmcache, ``QuasiRandomSampler`` (with its read-ahead);
+- ``quasi-noprefetch``: the same order without read-ahead;
 - ``warm``: ``warm_cache`` inside the group (it stops at the group's limit), then a random order.
 
-It prints a Markdown table of images per second per epoch. cgroup v1
-(``/sys/fs/cgroup/memory``) and v2 (``memory.max``) are both handled.
+For each row and epoch it prints images per second, the MB and the number of reads the disk
+served (the blkio group's ``io_service_bytes`` and ``io_serviced``) and the CPU time of the
+row's processes as a share of the cores: a row near 100% CPU is CPU-bound, one far below it
+waits for the disk. Then the ratios the project's targets are about.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
+import platform
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -37,49 +55,79 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mmcache
 
+# read IOPS, read bytes per second (None: no limit)
+PROFILES = {
+    "local": (None, None),
+    "cloud-volume": (3000, 125_000_000),  # a general-purpose cloud block volume's baseline
+    "hdd": (150, 150_000_000),  # a 7,200 rpm disk: a seek per random read, fast streaming
+}
 ROWS = {
-    "decode": "decode every epoch",
+    "decode": "decode every epoch (DataLoader)",
     "random": "mmcache, random order",
     "quasi": "mmcache, QuasiRandomSampler",
+    "quasi-noprefetch": "mmcache, QuasiRandomSampler without read-ahead",
     "warm": "mmcache after `warm`, random order",
-    # Not run by default: how much the sampler's read-ahead of the next buffer is worth.
-    "quasi-noprefetch": "mmcache, QuasiRandomSampler without prefetch",
 }
-DEFAULT_ROWS = "decode,random,quasi,warm"
+LOADERS = {
+    "dataloader": "DataLoader(MemmapImageDataset), 224x224 cache",
+    "batch": "BatchLoader, 224x224 cache",
+    "crop": "BatchLoader(crop=RandomResizedCrop(224), flip=True), shorter-side-256 cache",
+}
+# The source's image sizes (width, height): ImageNet's common shapes, landscape and portrait.
+SHAPES = [(500, 375), (375, 500), (500, 333), (333, 500)]
+CLASSES = 10
+GROUP_PREFIX = "mmcache-ltr-"
+MB = 1e6
 
 
 # the measuring process -----------------------------------------------------------------------
 
 
 def measure(args: argparse.Namespace) -> None:
-    """Run the epochs of one row in this (already confined) process; print one JSON line."""
+    """Run one row's epochs in this (already confined) process; print one JSON line."""
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    from mmcache import BatchLoader, MemmapImageDataset, QuasiRandomSampler, warm_cache
+    from mmcache import (
+        BatchLoader,
+        Compose,
+        MemmapImageDataset,
+        Options,
+        QuasiRandomSampler,
+        RandomHorizontalFlip,
+        RandomResizedCrop,
+        warm_cache,
+    )
     from mmcache.demo import DecodingDataset
+    from mmcache.residency import memory, resident_bytes
 
     torch.set_num_threads(1)
-    cache = Path(args.workdir) / "cache"
+    row, kind = args.measure, args.loader
+    cache = Path(args.workdir) / ("cache-256" if kind == "crop" else "cache-224")
     ds = MemmapImageDataset(cache, on_stale="ignore")
-    warm_report = None
-    if args.measure == "decode":
-        ds = DecodingDataset(ds.samples)
-    if args.measure == "warm":
-        warm_report = warm_cache(cache)
-    if args.measure.startswith("quasi"):
+    out: dict = {"row": row, "loader": kind, "images": len(ds)}
+    if row == "warm":
+        report = warm_cache(cache)
+        out["warm_share"], out["warm_seconds"] = report.resident_share, report.seconds
+    sampler = None
+    if row.startswith("quasi"):
         sampler = QuasiRandomSampler(
             ds,
             block_size=args.block_size,
             buffer_blocks=args.buffer_blocks,
             seed=0,
-            prefetch=args.measure == "quasi",
+            prefetch=row == "quasi",
         )
-    else:
-        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(0))
-    if args.loader == "batch" and args.measure != "decode":
-        loader = BatchLoader(ds, args.batch_size, sampler=sampler, num_threads=args.workers)
-    else:
+        out["block_size"], out["buffer_blocks"] = sampler.block_size, sampler.buffer_blocks
+    if row == "decode":
+        if kind == "crop":
+            crop = Compose([RandomResizedCrop(224), RandomHorizontalFlip()])
+            ds = DecodingDataset(ds.samples, transform=crop)
+        else:
+            ds = DecodingDataset(ds.samples, Options(size=(224, 224)))
+    if kind == "dataloader" or row == "decode":
+        if sampler is None:
+            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(0))
         loader = DataLoader(
             ds,
             batch_size=args.batch_size,
@@ -87,113 +135,279 @@ def measure(args: argparse.Namespace) -> None:
             num_workers=args.workers,
             persistent_workers=args.workers > 0,
         )
+    else:
+        crop = {"crop": RandomResizedCrop(224), "flip": True} if kind == "crop" else {}
+        loader = BatchLoader(
+            ds,
+            args.batch_size,
+            shuffle=sampler is None,
+            sampler=sampler,
+            seed=0,
+            num_threads=args.workers,
+            read=args.read,
+            **crop,
+        )
+        out["read"] = args.read
+        out["available"] = memory().available
+        out["data_bytes"] = ds.manifest.sizes["data"]
     if args.calibrate:
-        # The processes' own memory at its peak over a few batches: rss and shared memory of
-        # the group (file pages are what the limit is there to squeeze).
+        # The processes' own memory at its peak over a few batches: anonymous and shared memory
+        # of the group (file pages are what the limit is there to squeeze).
         peak = 0
         for k, _batch in enumerate(loader):
             peak = max(peak, _group_memory())
             if k >= 4 * max(1, args.workers) + 4:
                 break
-        print(json.dumps({"row": args.measure, "overhead": peak}), flush=True)
+        print(json.dumps({"overhead": peak}), flush=True)
         return
-    seconds = []
+    # The cache's bytes in RAM as each epoch starts: what the epoch can find there.
+    ds_data = None if row == "decode" else ds.data_path
+    epochs = []
     for epoch in range(args.epochs):
-        if hasattr(sampler, "set_epoch"):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)  # BatchLoader: forwarded to its sampler
+        elif hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
+        resident = resident_bytes(ds_data) or 0 if ds_data else 0
+        before = _counters(args.blkio_group)
         start = time.perf_counter()
-        for _images, _labels in loader:
-            pass
-        seconds.append(time.perf_counter() - start)
-    out = {"row": args.measure, "images": len(ds), "seconds": seconds}
-    if isinstance(sampler, QuasiRandomSampler):
-        out["block_size"], out["buffer_blocks"] = sampler.block_size, sampler.buffer_blocks
-    if warm_report is not None:
-        out["warm_share"] = warm_report.resident_share
-        out["warm_seconds"] = warm_report.seconds
-    print(json.dumps(out), flush=True)
+        done, partial = 0, False
+        for _images, labels in loader:
+            done += len(labels)
+            if time.perf_counter() - start > args.max_epoch_seconds:
+                partial = True
+                break
+        seconds = time.perf_counter() - start
+        after = _counters(args.blkio_group)
+        epochs.append(
+            {
+                "seconds": seconds,
+                "images": done,
+                "partial": partial,
+                **{k: after[k] - before[k] for k in ("read_bytes", "reads", "cpu")},
+                "resident_at_start": resident,
+            }
+        )
+    print(json.dumps(out | {"epochs": epochs}), flush=True)
+
+
+def _group_folder(controller: str) -> Path | None:
+    """This process's cgroup v1 folder of ``controller``."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+    return None
 
 
 def _group_memory() -> int:
-    """rss + shared memory of this process's memory cgroup (v1 or v2), in bytes."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            folder, keys = Path("/sys/fs/cgroup/memory"), ("total_rss", "total_shmem")
-        elif controllers == "":
-            folder, keys = Path("/sys/fs/cgroup"), ("anon", "shmem")
-        else:
-            continue
-        stat = folder / path.lstrip("/") / "memory.stat"
-        if stat.exists():
-            values = dict(ln.split() for ln in stat.read_text().splitlines())
-            return sum(int(values.get(k, 0)) for k in keys)
-    return 0
+    """Anonymous and shared memory of this process's memory cgroup (v1), in bytes."""
+    folder = _group_folder("memory")
+    stat = folder / "memory.stat" if folder else None
+    if stat is None or not stat.exists():
+        return 0
+    values = dict(ln.split() for ln in stat.read_text().splitlines())
+    return sum(int(values.get(k, 0)) for k in ("total_rss", "total_shmem"))
 
 
-# the parent: data, cgroup, rows --------------------------------------------------------------
+def _counters(blkio_group: str | None) -> dict[str, float]:
+    """Bytes and reads the disk served to the blkio group, and CPU seconds of the memory
+    group's processes (all of the row's processes: the loader's workers too)."""
+    read_bytes = reads = 0
+    if blkio_group:
+        read_bytes = _blkio_reads(Path(blkio_group), "blkio.throttle.io_service_bytes")
+        reads = _blkio_reads(Path(blkio_group), "blkio.throttle.io_serviced")
+    cpu = 0.0
+    folder = _group_folder("memory")
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in (folder / "cgroup.procs").read_text().split() if folder else []:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return {"read_bytes": read_bytes, "reads": reads, "cpu": cpu}
 
 
-def prepare(workdir: Path, gb: float, size: tuple[int, int]) -> tuple[Path, int]:
-    """Source JPEGs and a cache of about ``gb`` GB of records; reused when already there."""
+def _blkio_reads(group: Path, name: str) -> int:
+    total = 0
+    for line in (group / name).read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[1] == "Read":
+            total += int(parts[2])
+    return total
+
+
+def throttle_check(args: argparse.Namespace) -> None:
+    """Read the (evicted) data file under the throttle: sequentially, then 4 KB at random."""
+    import random
+
+    path = args.check_file
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    seq = min(size // 2, 200 << 20)
+    start = time.perf_counter()
+    pos = 0
+    while pos < seq:
+        pos += len(os.pread(fd, 1 << 20, pos))
+    seq_seconds = time.perf_counter() - start
+    # Random single pages from the second half, which the sequential read left cold: each is
+    # one read of the disk. About 2 s of them at the IOPS limit.
+    rng = random.Random(0)
+    count = 2 * (args.iops or 1000)
+    cold = range((size // 2) // 4096 + 1, size // 4096)
+    pages = rng.sample(cold, min(count, len(cold)))
+    start = time.perf_counter()
+    for page in pages:
+        os.pread(fd, 4096, page * 4096)
+    rand_seconds = time.perf_counter() - start
+    os.close(fd)
+    print(
+        json.dumps(
+            {
+                "seq_bytes": pos,
+                "seq_seconds": seq_seconds,
+                "rand_reads": len(pages),
+                "rand_seconds": rand_seconds,
+            }
+        ),
+        flush=True,
+    )
+
+
+# the parent: data, cgroups, rows -------------------------------------------------------------
+
+
+def prepare(workdir: Path, gb: float) -> dict:
+    """Source JPEGs and the two caches of about ``gb`` GB each; reused when already there."""
     from mmcache import build_cache
     from mmcache.sample_data import make_image_folder
 
-    per_image = size[0] * size[1] * 3
-    count = max(10, int(gb * 1e9 / per_image))
-    classes = 10
-    per_class = -(-count // classes)
+    record_224 = 224 * 224 * 3
+    count = max(2 * len(SHAPES) * CLASSES, int(gb * 1e9 / record_224))
+    per_shape = -(-count // (len(SHAPES) * CLASSES))
     src = workdir / "src"
     stamp = workdir / "src.json"
-    want = {"classes": classes, "per_class": per_class, "size": list(size)}
-    if not stamp.exists() or json.loads(stamp.read_text()) != want:
-        print(f"generating {classes * per_class} JPEGs of {size[0]}x{size[1]} ...", flush=True)
-        make_image_folder(src, classes=classes, per_class=per_class, size=size)
+    want = {"classes": CLASSES, "per_shape": per_shape, "shapes": SHAPES}
+    if not stamp.exists() or json.loads(stamp.read_text()) != json.loads(json.dumps(want)):
+        print(f"generating {per_shape * len(SHAPES) * CLASSES:,} JPEGs ...", flush=True)
+        stamp.unlink(missing_ok=True)
+        for k, size in enumerate(SHAPES):
+            part = workdir / f"gen-{k}"
+            make_image_folder(part, classes=CLASSES, per_class=per_shape, size=size, seed=k)
+            for f in sorted(part.rglob("*.jpg")):
+                # src/class_XX/img_NNNNN_k.jpg: the shapes interleave in listing order, as
+                # photos of several shapes do in a real class folder.
+                dest = src / f.parent.name / f"{f.stem}_{k}.jpg"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                f.replace(dest)
+            for d in sorted(part.rglob("*"), reverse=True):
+                d.rmdir()
+            part.rmdir()
         stamp.write_text(json.dumps(want))
-    report = build_cache(src, workdir / "cache")
-    return src, report.bytes
+    files = sorted(src.rglob("*.jpg"))
+    build_cache(src, workdir / "cache-224", size=(224, 224))
+    # The shorter-side-256 cache from as many of the same JPEGs (every class, in listing order)
+    # as make about gb GB: its records are about twice the 224x224 ones.
+    per_file = sum(_short_side_256(w, h) for w, h in SHAPES) / len(SHAPES)
+    keep = min(len(files), int(gb * 1e9 / per_file))
+    listing = workdir / "list-256.csv"
+    lines = [f"{f},{f.parent.name}" for f in files[:: max(1, len(files) // keep)][:keep]]
+    text = "\n".join(lines) + "\n"
+    if not listing.exists() or listing.read_text() != text:
+        listing.write_text(text)
+    build_cache(listing, workdir / "cache-256", short_side=256)
+    return {"src": src, "jpegs": files}
 
 
-class Cgroup:
-    """A child memory cgroup of this process's own group, with a limit; removed on exit."""
+def _short_side_256(w: int, h: int) -> int:
+    s = 256 / min(w, h)
+    return round(w * s) * round(h * s) * 3
 
-    def __init__(self) -> None:
-        line = next(
-            (
-                ln
-                for ln in Path("/proc/self/cgroup").read_text().splitlines()
-                if "memory" in ln.split(":")[1].split(",") or ln.startswith("0::")
-            ),
-            None,
+
+def limits(storage: str, iops: int | None, bps: int | None) -> tuple[str, int | None, int | None]:
+    """(profile name, read IOPS limit, read bytes/s limit): the profile's, or with an explicit
+    --iops or --bps, "custom" and those."""
+    profile_iops, profile_bps = PROFILES[storage]
+    iops = profile_iops if iops is None else iops
+    bps = profile_bps if bps is None else bps
+    for name, value in (("--iops", iops), ("--bps", bps)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{name} must be at least 1, got {value}")
+    return (storage if (iops, bps) == PROFILES[storage] else "custom"), iops, bps
+
+
+def block_device(path: Path) -> tuple[str, str]:
+    """("major:minor", name) of the whole disk that holds ``path``: what blkio throttles."""
+    dev = os.stat(path).st_dev
+    key = f"{os.major(dev)}:{os.minor(dev)}"
+    sysfs = Path("/sys/dev/block") / key
+    if not sysfs.exists():
+        raise SystemExit(
+            f"{path} is not on a block device (device {key}: tmpfs, overlay or a network "
+            "filesystem?): a blkio throttle cannot apply to it; pick a --workdir on a disk"
         )
-        if line is None:
-            sys.exit("no memory cgroup for this process")
-        v1 = Path("/sys/fs/cgroup/memory")
-        own = line.split(":", 2)[2].lstrip("/")
-        if v1.is_dir():
-            base, limit_file = v1, "memory.limit_in_bytes"
-        else:
-            base, limit_file = Path("/sys/fs/cgroup"), "memory.max"
-        parent = base / own if (base / own).is_dir() else base
-        self.path = parent / f"mmcache-ltr-{os.getpid()}"
-        self.limit_file = self.path / limit_file
-        self.unlimited = "-1" if v1.is_dir() else "max"
+    disk = sysfs.resolve()
+    if (disk / "partition").exists():  # blkio limits are set on the disk, not a partition
+        disk = disk.parent
+        key = (disk / "dev").read_text().strip()
+    return key, disk.name
+
+
+class Group:
+    """A child cgroup (v1) of this process's own group of one controller; ``close`` kills what
+    is left in it and removes it."""
+
+    def __init__(self, controller: str) -> None:
+        base = Path("/sys/fs/cgroup") / controller
+        if not base.is_dir():
+            raise SystemExit(f"no cgroup v1 {controller} controller at {base}: cannot confine")
+        own = _group_folder(controller)
+        parent = own if own is not None and own.is_dir() else base
+        _remove_stale_groups(parent)
+        self.path = parent / f"{GROUP_PREFIX}{os.getpid()}"
         try:
             self.path.mkdir()
         except OSError as e:
-            sys.exit(f"cannot make a memory cgroup at {self.path} ({e}); run as root")
-        self.procs = self.path / "cgroup.procs"
+            raise SystemExit(
+                f"cannot make a {controller} cgroup at {self.path} ({e}); run as root"
+            ) from None
+        self.parent = parent
 
-    def set_limit(self, limit: int | None) -> None:
-        self.limit_file.write_text(self.unlimited if limit is None else str(limit))
+    def write(self, name: str, value: str) -> None:
+        (self.path / name).write_text(value)
 
-    def enter(self) -> None:
-        """Move the calling process into the group (a Popen preexec_fn: runs in the child)."""
-        self.procs.write_text(str(os.getpid()))
+    def enter(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+        """Kill the processes still in the group (the rows' workers of an interrupted run, all
+        started by this tool), wait until it is empty, and remove it."""
+        deadline = time.monotonic() + 30
+        while self.path.exists():
+            try:
+                pids = (self.path / "cgroup.procs").read_text().split()
+            except OSError:
+                pids = []
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            try:
+                self.path.rmdir()
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    print(f"could not remove the cgroup {self.path}: {e}", file=sys.stderr)
+                    return
+                time.sleep(0.05)
+
+
+def _remove_stale_groups(parent: Path) -> None:
+    """Remove empty groups this tool left behind in a run that was killed (SIGKILL)."""
+    for old in parent.glob(f"{GROUP_PREFIX}*"):
+        pid = old.name.removeprefix(GROUP_PREFIX)
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                old.rmdir()
 
 
 def drop_caches(paths: list[Path]) -> None:
@@ -201,93 +415,327 @@ def drop_caches(paths: list[Path]) -> None:
 
     for p in paths:
         evict_file(p)
-    # In a container this is refused: the per-file eviction above is what we have.
+    # The page cache, not dentries and inodes ("1", not "3"): a training job holds its files
+    # open, and here the first pass over a file whose inode was just read back from the disk
+    # went out in reads of 150 KB instead of 600 KB-4 MB (a 200 MB read at 86 MB/s instead of
+    # 155 under the hdd profile's limits). In a container this is refused: the per-file
+    # eviction above is what we have.
     with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("3")
+        Path("/proc/sys/vm/drop_caches").write_text("1")
 
 
-def main() -> None:
+def resident_share(paths: list[Path]) -> float:
+    from mmcache.residency import resident_bytes
+
+    size = sum(p.stat().st_size for p in paths)
+    return sum(resident_bytes(p) or 0 for p in paths) / size if size else 0.0
+
+
+def _interrupt(signum, frame):  # SIGTERM/SIGHUP: unwind like Ctrl-C, so the groups are removed
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/var/tmp/mmcache-larger-than-ram")
-    p.add_argument("--gb", type=float, default=2.0, help="cache size in GB (default 2)")
-    p.add_argument("--image-size", default="720x480", metavar="WxH")
-    p.add_argument("--limit-ratio", type=float, default=0.5, help="cgroup limit / cache size")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument(
-        "--loader",
-        choices=("dataloader", "batch"),
-        default="dataloader",
-        help="how the mmcache rows read: DataLoader with --workers processes, or BatchLoader "
-        "with --workers threads (records of one shape); the decode row always uses DataLoader",
+        "--storage",
+        default="local",
+        choices=list(PROFILES),
+        help="read limits to emulate (default: local, no limits)",
     )
-    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--iops", type=int, help="read IOPS limit (overrides the profile's)")
+    p.add_argument("--bps", type=int, help="read bytes/s limit (overrides the profile's)")
+    p.add_argument("--gb", type=float, default=1.0, help="each cache's size in GB (default 1)")
+    p.add_argument(
+        "--limit-ratio",
+        type=float,
+        default=0.5,
+        help="page cache allowed / cache size (default 0.5)",
+    )
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument(
+        "--max-epoch-seconds",
+        type=float,
+        default=120,
+        help="stop an epoch after this long; its rate so far is reported",
+    )
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers, BatchLoader threads")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--loaders", default=",".join(LOADERS), help=f"of {', '.join(LOADERS)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+    p.add_argument(
+        "--read", default="auto", choices=("auto", "mmap", "pread"), help="BatchLoader's read="
+    )
     p.add_argument("--block-size", type=int, default=None, help="QuasiRandomSampler's")
-    p.add_argument("--buffer-blocks", type=int, default=32, help="QuasiRandomSampler's")
+    p.add_argument(
+        "--buffer-blocks",
+        type=int,
+        default=None,
+        help="QuasiRandomSampler's (default: its default, or fewer blocks when two "
+        "buffers would take more than 40%% of the page cache allowed)",
+    )
     p.add_argument("--measure", choices=list(ROWS), help=argparse.SUPPRESS)
+    p.add_argument("--loader", choices=list(LOADERS), help=argparse.SUPPRESS)
     p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--blkio-group", help=argparse.SUPPRESS)
+    p.add_argument("--check-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.check_file:
+        throttle_check(args)
+        return 0
     if args.measure:
         measure(args)
-        return
+        return 0
+    rows = args.rows.split(",")
+    loaders = args.loaders.split(",")
+    for name, allowed in (("row", ROWS), ("loader", LOADERS)):
+        bad = [x for x in (rows if name == "row" else loaders) if x not in allowed]
+        if bad:
+            p.error(f"unknown {name} {bad[0]!r}: choose from {', '.join(allowed)}")
+    profile, iops, bps = limits(args.storage, args.iops, args.bps)
 
-    from mmcache.decode import parse_size
-
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    src, cache_bytes = prepare(workdir, args.gb, parse_size(args.image_size))
-    allowance = int(cache_bytes * args.limit_ratio)
-    files = [q for q in src.rglob("*") if q.is_file()] + list((workdir / "cache").iterdir())
-    group = Cgroup()
-    results = []
+    device, disk = block_device(workdir)
+    data = prepare(workdir, args.gb)
+    caches = {k: workdir / ("cache-256" if k == "crop" else "cache-224") for k in LOADERS}
+    cache_files = {k: sorted(c.iterdir()) for k, c in caches.items()}
+    everything = data["jpegs"] + cache_files["batch"] + cache_files["crop"]
 
-    def child(row: str, extra: list[str]) -> dict:
-        drop_caches(files)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--measure", row, *extra]
-        run = subprocess.run(
-            cmd, preexec_fn=group.enter, capture_output=True, text=True, check=False
-        )
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    memory_group = blkio_group = None
+    try:
+        memory_group = Group("memory")
+        blkio_group = Group("blkio")
+        if iops:
+            blkio_group.write("blkio.throttle.read_iops_device", f"{device} {iops}")
+        if bps:
+            blkio_group.write("blkio.throttle.read_bps_device", f"{device} {bps}")
+        report = run_rows(args, rows, loaders, caches, everything, memory_group, blkio_group, iops)
+    finally:
+        for group in (memory_group, blkio_group):
+            if group is not None:
+                group.close()
+    print_report(args, report, profile, iops, bps, device, disk, data, caches)
+    return 0
+
+
+def run_rows(args, rows, loaders, caches, everything, memory_group, blkio_group, iops) -> dict:
+    """The throttle check, then every (loader, row): calibrated, dropped, measured."""
+    from mmcache import MemmapImageDataset
+
+    def child(extra: list[str], *, throttled: bool = True) -> dict:
+        def enter() -> None:  # runs in the child before exec: join the groups
+            memory_group.enter(os.getpid())
+            if throttled:
+                blkio_group.enter(os.getpid())
+
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, *extra]
+        run = subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True, check=False)
         if run.returncode != 0:
-            sys.exit(f"{row} failed (exit status {run.returncode}):\n{run.stderr}")
+            raise SystemExit(
+                f"{' '.join(extra)} failed (exit status {run.returncode}):\n{run.stderr[-4000:]}"
+            )
         return json.loads(run.stdout.strip().splitlines()[-1])
 
-    try:
-        for row in args.rows.split(","):
-            group.set_limit(None)
-            overhead = child(row, ["--calibrate"])["overhead"]
-            # 10% + 32 MiB over the peak seen: batches in flight vary a little.
-            limit = int(overhead * 1.1) + (32 << 20) + allowance
-            group.set_limit(limit)
-            results.append(child(row, []) | {"overhead": overhead, "limit": limit})
-            print(f"  {row}: {results[-1]}", file=sys.stderr, flush=True)
-    finally:
-        group.close()
+    report: dict = {"rows": [], "check": None, "allowance": {}, "overhead": {}}
+    check_file = next(f for f in caches["batch"].iterdir() if f.name.startswith("data"))
+    drop_caches(everything)
+    memory_group.write("memory.limit_in_bytes", "-1")
+    report["check"] = child(["--check-file", str(check_file)])
+    for kind in loaders:
+        cache_bytes = MemmapImageDataset(caches[kind], on_stale="ignore").manifest.sizes["data"]
+        allowance = int(cache_bytes * args.limit_ratio)
+        report["allowance"][kind] = (allowance, cache_bytes)
+        buffer_blocks = args.buffer_blocks or _buffer_blocks(caches[kind], allowance, args)
+        for row in rows:
+            if row == "decode" and kind == "batch" and "dataloader" in loaders:
+                continue  # the same run as the DataLoader table's decode row
+            # Memory of the row's processes, measured without limit or throttle, once per kind
+            # of process set (decoding, the DataLoader's workers, BatchLoader's threads).
+            key = f"{kind}-decode" if row == "decode" else kind
+            extra = [
+                "--measure",
+                row,
+                "--loader",
+                kind,
+                "--buffer-blocks",
+                str(buffer_blocks),
+                "--blkio-group",
+                str(blkio_group.path),
+            ]
+            if key not in report["overhead"]:
+                memory_group.write("memory.limit_in_bytes", "-1")
+                report["overhead"][key] = child([*extra, "--calibrate"], throttled=False)[
+                    "overhead"
+                ]
+            overhead = report["overhead"][key]
+            # 5% + 16 MiB over the peak seen: batches in flight vary a little (what they leave
+            # unused is page cache; each row's table line says how much the page cache held).
+            limit = int(overhead * 1.05) + (16 << 20) + allowance
+            drop_caches(everything)
+            cold = resident_share(cache_files_of(caches[kind])), resident_share(everything)
+            memory_group.write("memory.limit_in_bytes", str(limit))
+            result = child(extra) | {"overhead": overhead, "limit": limit, "cold": cold}
+            report["rows"].append(result)
+            print(f"  {kind} {row}: {_brief(result)}", file=sys.stderr, flush=True)
+    return report
 
-    mb = 1e6
-    print(
-        f"\ncache {cache_bytes / mb:,.0f} MB ({results[0]['images']} images of "
-        f"{args.image_size}); page cache allowed {allowance / mb:,.0f} MB (cgroup limit = "
-        f"that + the loader's own memory); batch {args.batch_size}, {args.workers} workers, "
-        f"{os.cpu_count()} cores; mmcache rows read by "
-        f"{'BatchLoader' if args.loader == 'batch' else 'DataLoader'}\n"
+
+def cache_files_of(cache: Path) -> list[Path]:
+    return sorted(cache.iterdir())
+
+
+def _buffer_blocks(cache: Path, allowance: int, args: argparse.Namespace) -> int:
+    """QuasiRandomSampler's default buffer, or fewer blocks when two buffers (the one read and
+    the one read ahead) would take more than 40% of the page cache allowed."""
+    from mmcache import MemmapImageDataset, QuasiRandomSampler
+
+    ds = MemmapImageDataset(cache, on_stale="ignore")
+    s = QuasiRandomSampler(ds, args.block_size)
+    block_bytes = s.block_size * float(ds.records.nbytes.mean())
+    fit = int(0.4 * allowance / 2 / block_bytes)
+    return max(1, min(s.buffer_blocks, fit))
+
+
+def _brief(r: dict) -> str:
+    return ", ".join(
+        f"epoch {k + 1} {e['images'] / e['seconds']:,.0f} img/s"
+        f"{' (partial)' if e['partial'] else ''}, {e['read_bytes'] / MB:,.0f} MB read"
+        for k, e in enumerate(r["epochs"])
     )
-    epochs = args.epochs
-    head = " | ".join(f"epoch {e + 1} img/s" for e in range(epochs))
-    print(f"| loader | {head} | vs random (last epoch) |")
-    print("|---|" + "---:|" * (epochs + 1))
-    rate = {r["row"]: [r["images"] / s for s in r["seconds"]] for r in results}
-    for r in results:
-        rates = rate[r["row"]]
-        vs = f"{rates[-1] / rate['random'][-1]:.2f}x" if "random" in rate else "-"
-        name = ROWS[r["row"]]
-        if "block_size" in r:
-            name += f" (blocks of {r['block_size']}, buffer {r['buffer_blocks']})"
-        if "warm_share" in r:
-            name += f" (warmed {r['warm_share']:.0%} in {r['warm_seconds']:.1f} s)"
-        name += f" [own memory {r['overhead'] / mb:,.0f} MB]"
-        print(f"| {name} | " + " | ".join(f"{x:,.0f}" for x in rates) + f" | {vs} |")
+
+
+def _machine() -> str:
+    import cv2
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    ram = psutil.virtual_memory().total / 2**30
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {ram:.1f} GiB RAM, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"OpenCV {cv2.__version__}"
+    )
+
+
+def print_report(args, report, profile, iops, bps, device, disk, data, caches) -> None:
+    from mmcache import MemmapImageDataset
+
+    limits = []
+    if iops:
+        limits.append(f"{iops:,} IOPS")
+    if bps:
+        limits.append(f"{bps / MB:,.0f} MB/s")
+    where = f"reads of {device} ({disk}), the disk of --workdir"
+    storage = f"{profile}: {', '.join(limits)} ({where})" if limits else f"{profile}: {where}"
+    print(f"\ncommand: python tools/larger_than_ram.py {shlex.join(args.argv)}")
+    print(f"machine: {_machine()}")
+    print(f"storage {storage}")
+    c = report["check"]
+    seq = c["seq_bytes"] / c["seq_seconds"] / MB
+    rand = c["rand_reads"] / c["rand_seconds"]
+    print(
+        f"throttle check, cold data file: {c['seq_bytes'] / MB:,.0f} MB read sequentially at "
+        f"{seq:,.1f} MB/s{f' (limit {bps / MB:,.0f})' if bps else ''}; "
+        f"{c['rand_reads']:,} random 4 KB reads at {rand:,.0f}/s"
+        f"{f' (limit {iops:,})' if iops else ''}"
+    )
+    jpeg_bytes = sum(f.stat().st_size for f in data["jpegs"])
+    print(
+        f"source: {len(data['jpegs']):,} JPEGs of 500x375, 375x500, 500x333 and 333x500, "
+        f"{jpeg_bytes / MB:,.0f} MB"
+    )
+    rows_by = {}
+    for r in report["rows"]:
+        rows_by.setdefault(r["loader"], {})[r["row"]] = r
+    if "batch" in rows_by and "dataloader" in rows_by and "decode" in rows_by["dataloader"]:
+        rows_by["batch"] = {"decode": rows_by["dataloader"]["decode"], **rows_by["batch"]}
+    targets = []
+    for kind, rows in rows_by.items():
+        allowance, cache_bytes = report["allowance"][kind]
+        ds = MemmapImageDataset(caches[kind], on_stale="ignore")
+        print(
+            f"\n{LOADERS[kind]}: {len(ds):,} records, cache {cache_bytes / MB:,.0f} MB, page "
+            f"cache allowed {allowance / MB:,.0f} MB (the cgroup's limit is that plus the "
+            f"row's own memory); batch {args.batch_size}, {args.workers} "
+            f"{'workers' if kind == 'dataloader' else 'threads'}; img/s\n"
+        )
+        head = " | ".join(f"epoch {e + 1}" for e in range(args.epochs))
+        print(
+            f"| row | {head} | vs random (epoch {args.epochs}) | cache MB in RAM at epoch "
+            "start | MB read per epoch | reads per epoch | CPU (of all cores) |"
+        )
+        print("|---|" + "---:|" * args.epochs + "---:|---:|---:|---:|---:|")
+        rate = {name: [e["images"] / e["seconds"] for e in r["epochs"]] for name, r in rows.items()}
+        for name, r in rows.items():
+            label = ROWS[name]
+            if name == "decode" and kind == "crop":
+                label = "decode every epoch + RandomResizedCrop + flip (DataLoader)"
+            if "block_size" in r:
+                label += f" (blocks of {r['block_size']}, buffer {r['buffer_blocks']})"
+            if "warm_share" in r:
+                label += f" (warmed {r['warm_share']:.0%} in {r['warm_seconds']:.1f} s)"
+            cells = [
+                f"{x:,.0f}{'*' if e['partial'] else ''}" for e, x in zip(r["epochs"], rate[name])
+            ]
+            vs = f"{rate[name][-1] / rate['random'][-1]:.2f}x" if "random" in rate else "-"
+            epochs = r["epochs"]
+            resident = " / ".join(f"{e['resident_at_start'] / MB:,.0f}" for e in epochs)
+            read = " / ".join(f"{e['read_bytes'] / MB:,.0f}" for e in epochs)
+            reads = " / ".join(f"{e['reads']:,}" for e in epochs)
+            cpu = " / ".join(f"{e['cpu'] / e['seconds'] / os.cpu_count():.0%}" for e in epochs)
+            print(
+                f"| {label} | {' | '.join(cells)} | {vs} | {resident} | {read} | {reads} | {cpu} |"
+            )
+        partial = [r for r in rows.values() if any(e["partial"] for e in r["epochs"])]
+        if partial:
+            print(
+                f"\n\\* stopped after {args.max_epoch_seconds:g} s: the rate of the images "
+                "read so far"
+            )
+        colds = {f"{r['cold'][0]:.0%}" for r in rows.values()}
+        print(
+            f"\nresident share of the cache after dropping the page cache, before each row: "
+            f"{', '.join(sorted(colds))}"
+        )
+        last = args.epochs - 1
+        if "quasi" in rate and "random" in rate:
+            targets.append(
+                (
+                    f"{kind}: QuasiRandomSampler / random order, epoch {last + 1}",
+                    rate["quasi"][last] / rate["random"][last],
+                    1.5,
+                )
+            )
+        mm = [n for n in rate if n != "decode"]
+        if "decode" in rate and mm:
+            for e in range(args.epochs):
+                best = max(mm, key=lambda n: rate[n][e])
+                targets.append(
+                    (
+                        f"{kind}: best mmcache row ({best}) / decoding, epoch {e + 1}",
+                        rate[best][e] / rate["decode"][e],
+                        1.0,
+                    )
+                )
+    if targets:
+        print(f"\ntargets on {profile}:\n")
+        print("| target | measured | |")
+        print("|---|---:|---|")
+        for name, value, want in targets:
+            verdict = "pass" if value >= want else "NOT MET"
+            print(f"| {name} >= {want:.1f}x | {value:.2f}x | {verdict} |")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
