@@ -1,0 +1,52 @@
+"""The measuring tools in tools/ run end to end at tiny sizes (smoke runs; no timings checked).
+
+The tools parse mmcache's output and call its functions; a change to either breaks them
+silently unless they run. Larger tools have tests of their own (test_bench.py,
+test_tools_train.py, test_tools_ffcv.py, test_distributed.py for train_ddp.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+# tool, its arguments at a tiny size, a line its report must print
+SMOKE = [
+    ("bench_dist_build.py", ["--images", "10", "--image-size", "64x48", "--procs", "1"],
+     "same bytes"),
+    ("bench_plan.py", ["--images", "20", "--classes", "2", "--repeat", "1"], "us/file"),
+    ("compare_builds.py", ["--before", "HEAD", "--after", "HEAD"], "no options: identical"),
+    ("crop_closeness.py", ["--crops", "5", "--images", "2", "--size", "32"], "reproduce:"),
+    ("decoders.py", ["--images", "4", "--repeat", "1"], "cv2.imdecode"),
+    ("lazy_epochs.py", ["--images", "8", "--image-size", "64x48", "--epochs", "2",
+                        "--batch-size", "4", "--workers", "0"], "lazy epoch one / decoding epoch"),
+    ("loader_bench.py", ["--images", "8", "--size", "64x48", "--batch-size", "4",
+                         "--workers", "0", "--epochs", "2"], "BatchLoader / copy loop"),
+    ("verify_cost.py", ["--images", "8", "--size", "64x48", "--repeat", "1"], "mmcache verify"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tool, args, expected", SMOKE, ids=[s[0] for s in SMOKE])
+def test_the_tool_runs_at_a_tiny_size(tool, args, expected, tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / tool), *args],
+        cwd=tmp_path,  # as a user would run it from anywhere
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert expected in run.stdout, run.stdout[-3000:]
+
+
+def test_every_tool_is_run_by_some_test():
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    untested = [p.name for p in sorted(TOOLS.glob("*.py")) if p.stem not in tests]
+    assert untested == []
