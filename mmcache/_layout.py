@@ -29,6 +29,11 @@ class Layout:
     state: np.ndarray  # fmt codes: EMPTY = to decode, BAD_* = refused before decoding
     pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
 
+    @property
+    def nbytes(self) -> np.ndarray:
+        """Each record's size in the data file, height * width * channels (0 if unknown)."""
+        return np.prod(self.shapes, axis=1)
+
 
 def plan_layout(listing: Listing, opts: Options) -> Layout:
     """Shapes from headers (no decoding) and the offsets they give, in listing order."""

@@ -448,8 +448,8 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         removed = len(old_paths - set(listing.paths))
         changed = sum(listing.paths[i] in old_paths for i in g.todo)
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
-    pixels_written = g.copied_bytes + int(np.prod(layout.shapes[decoded], axis=1).sum())
-    live = fmt.live_bytes(offsets[keep], np.prod(layout.shapes[keep], axis=1), data_bytes)
+    pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
+    live = fmt.live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
     report = BuildReport(
         cache=g.folder,
         images=int((state == fmt.FILLED).sum()),
@@ -505,8 +505,7 @@ def _garbage_share(layout: Layout) -> float:
     ``layout`` (records left out have no shape there, so they cover nothing)."""
     if not layout.data_bytes:
         return 0.0
-    nbytes = np.prod(layout.shapes, axis=1)
-    live = fmt.live_bytes(layout.offsets, nbytes, layout.data_bytes)
+    live = fmt.live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
     return (layout.data_bytes - live) / layout.data_bytes
 
 
