@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -41,13 +42,16 @@ from .errors import (
     DecodeError,
     StaleCacheWarning,
 )
-from .residency import WarmReport, start_warming
+from .residency import WarmReport, memory, start_warming
 from .scan import Listing, scan_source
 from .staleness import rebuild_advice, recorded_source, same_options, stale_reason
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")
+# How often a dataset looks again whether its data file fits in the RAM available (psutil and
+# the cgroup's files: tens of microseconds, too much for every read).
+FIT_CHECK_SECONDS = 2.0
 # What __getstate__ drops: each process maps and opens these itself, on first use.
 _PER_PROCESS = (
     "_files", "_records", "_offsets", "_shapes", "_nbytes", "_labels", "_data", "_fd", "_states",
@@ -228,6 +232,7 @@ class MemmapImageDataset(Dataset):
         )  # fmt: skip
         self._data: np.ndarray | None = None
         self._fd = -1
+        self._fit_checked, self._exact = -FIT_CHECK_SECONDS, False  # see _reads_exactly
         self._states: np.ndarray | None = None
         self._codes: np.ndarray | None = None
         self._filler: RecordFiller | None = None
@@ -339,9 +344,35 @@ class MemmapImageDataset(Dataset):
         if os.fstat(self._fd).st_size < off + n:
             raise self._truncated(i)
         start = off - off % mmap.ALLOCATIONGRANULARITY
+        exact = self._reads_exactly()
+        if exact:  # ask for the record's pages, all of them and no others (see below)
+            os.posix_fadvise(self._fd, start, off + n - start, os.POSIX_FADV_WILLNEED)
         pages = mmap.mmap(self._fd, off + n - start, flags=mmap.MAP_PRIVATE,
                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
+        if exact:
+            pages.madvise(mmap.MADV_RANDOM)
         return np.frombuffer(pages, np.uint8, n, off - start).reshape(self._shapes[i])
+
+    def _reads_exactly(self) -> bool:
+        """Whether a record's pages are read exactly, because the data file does not fit in
+        the RAM available (looked at every ``FIT_CHECK_SECONDS``).
+
+        A page fault on a file mapping that misses the page cache reads around the page, as
+        much as the disk's read-ahead setting (8 MiB on some cloud VMs): for a random order over
+        a cache larger than RAM that is megabytes from disk per record, most of it evicted
+        unused. There, the record's range is requested (``POSIX_FADV_WILLNEED``) and the
+        mapping advised ``MADV_RANDOM``. A cache that fits keeps the read-around: what it
+        brings in is read later in the epoch anyway.
+        """
+        now = time.monotonic()
+        if now - self._fit_checked >= FIT_CHECK_SECONDS:
+            self._fit_checked = now
+            self._exact = (
+                hasattr(os, "posix_fadvise")
+                and hasattr(mmap, "MADV_RANDOM")
+                and self._files.manifest.sizes["data"] > memory().available
+            )
+        return self._exact
 
     def _truncated(self, i: int) -> CacheFormatError:
         return CacheFormatError(

@@ -245,3 +245,26 @@ def test_resident_bytes_of_a_range(tmp_path):
     # Readahead may bring neighbours in; the page read is in, and a sub-range is clipped.
     assert res.resident_bytes(p, 2 * res.PAGE, 3 * res.PAGE) == res.PAGE
     assert res.resident_bytes(p, 2 * res.PAGE + 100, 2 * res.PAGE + 200) == 100
+
+
+def test_a_cache_larger_than_ram_reads_a_record_s_pages_and_no_others(cache, monkeypatch):
+    """A page fault that misses the page cache reads around the page (up to the disk's
+    read-ahead, 128 KiB by default and 8 MiB on some VMs): for a cache that does not fit in RAM,
+    a sample must bring in its own pages only."""
+    from conftest import reference
+
+    from mmcache import dataset as dataset_module
+
+    ds = MemmapImageDataset(cache)
+    small = res.Memory(total=64 * MiB, available=MiB // 2)  # less than the 0.9 MiB cache
+    monkeypatch.setattr(dataset_module, "memory", lambda: small)
+    _evicted(cache)
+    data = ds.manifest.file("data")
+    i = len(ds) // 2
+    img, _ = ds[i]
+    path = ds.samples[i][0]
+    assert (img == reference(path)).all()  # every page of the record is read
+    off, n = int(ds.records.offsets[i]), int(ds.records.nbytes[i])
+    first, last = off // 4096, (off + n - 1) // 4096
+    assert res.resident_bytes(data) <= (last - first + 1) * 4096
+    assert res.resident_bytes(data, first * 4096, (last + 1) * 4096) == (last - first + 1) * 4096
