@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -57,6 +58,21 @@ def wait_until(predicate, what: str, seconds: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {seconds:g} s for {what}")
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def sigint_by_default():
+    """Start children with SIGINT at its default, as a terminal's foreground job is.
+
+    A shell starts a background job (pytest under `cmd &`, nohup, some CI runners) with SIGINT
+    ignored; a child inherits that and Python then leaves it ignored, so Ctrl-C could not reach
+    it at all. A Python handler here becomes the default disposition in a child at its exec.
+    """
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, opened_file, wait_until, write_image
+from conftest import make_folder, opened_file, sigint_by_default, wait_until, write_image
 
 from mmcache import (
     CacheNotFoundError,
@@ -289,15 +289,8 @@ def test_a_killed_first_build_leaves_nothing_a_reader_accepts(big_folder, tmp_pa
 
 def test_ctrl_c_stops_the_build_and_its_workers_promptly(big_folder, tmp_path):
     cache = tmp_path / "cache"
-    # A shell starts a background job (pytest under `cmd &`, nohup, some CI runners) with SIGINT
-    # ignored; a child inherits that and Python then leaves it ignored, so Ctrl-C could not
-    # reach the build at all. Start it as a terminal's foreground job is: SIGINT by default.
-    # (A Python handler here becomes the default disposition in the child.)
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with sigint_by_default():  # as a terminal's foreground job, whatever started pytest
         proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
-    finally:
-        signal.signal(signal.SIGINT, old)
     data = _wait_for_data_file(cache, proc, 1 << 20)
     # A second name for the new data file: the build deletes its own when it stops, this one
     # keeps the file, to see afterwards how much of it the workers had written.

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import sigint_by_default, wait_until
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -110,9 +110,10 @@ def test_an_interrupted_run_leaves_no_cgroup(workdir, sig):
     # Epochs long enough to be interrupted in: a slow disk and a limit on the epoch's time.
     args = ["--storage", "hdd", "--iops", "20", "--loaders", "dataloader", "--rows", "random",
             "--max-epoch-seconds", "120"]  # fmt: skip
-    proc = subprocess.Popen(
-        _tool(workdir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    with sigint_by_default():  # else a pytest started in the background ignores Ctrl-C's
+        proc = subprocess.Popen(
+            _tool(workdir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
     try:
         blkio = CGROUPS / "blkio"
 
