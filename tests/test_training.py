@@ -246,7 +246,12 @@ again = loader()
 again.load_state_dict(state)
 rest = [x.clone() for x, _ in again]
 ok = len(rest) == len(whole) - 2 and all(torch.equal(a, b) for a, b in zip(rest, whole[2:]))
-print(json.dumps({"rank": dist.get_rank(), "ok": ok, "first": whole[0].sum().item()}))
+# One file per rank: two ranks printing to one pipe can interleave their lines.
+result = {"rank": dist.get_rank(), "ok": ok, "first": whole[0].sum().item()}
+out = os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json")
+with open(out + ".part", "w") as f:
+    json.dump(result, f)
+os.replace(out + ".part", out)
 dist.destroy_process_group()
 """
 
@@ -256,12 +261,12 @@ def test_resume_works_per_rank_under_torch_distributed(cache, tmp_path):
     script.write_text(RANK_SCRIPT)
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(cache)],
+         str(script), str(cache), str(tmp_path)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["ok"] for r in results)
     assert results[0]["first"] != results[1]["first"]  # each rank has its own share and crops
