@@ -1025,46 +1025,48 @@ def run_training_bench(
 
     threads = max(1, workers)  # the thread rows' counterpart of the DataLoader's workers
 
+    def one_row(key: str) -> MethodResult:
+        row = MethodResult(key, TRAINING_ROWS[key], images=len(ds))
+        if key == "decode_crop":
+            row.epoch_seconds = dataloader(DecodingDataset(ds.samples, transform=per_sample))
+        elif key == "mmcache_crop":
+            row.epoch_seconds = dataloader(MemmapImageDataset(cache, transform=per_sample))
+        else:
+            sys.path.insert(0, str(HERE))
+            from ffcv_bench import run_ffcv_peer
+
+            result = run_ffcv_peer(cache, batch_size, workers, epochs, size, workdir / "ffcv")
+            if isinstance(result, str):
+                row.skipped = result
+            else:
+                row.epoch_seconds, report.ffcv = result["epoch_seconds"], result
+        return row
+
     def epoch_runner(key: str, pool: ThreadPoolExecutor) -> Callable[[], float]:
         if key == "thread_loop":
             return _crop_thread_loop(ds, crop, batch_size, pool, threads, seed)
         loader = mmcache.BatchLoader(
             ds, batch_size, shuffle=True, seed=seed, crop=crop, flip=True, num_threads=threads
         )
-        return _loader_epoch(loader)
+        return lambda: time_epochs(ds, 1, batch_size=batch_size, workers=0, loader=loader)[0]
 
     results: dict[str, MethodResult] = {}
-    said: set[str] = set()
-    with ThreadPoolExecutor(threads) as pool:
-        for key in rows:
-            if key in results:  # ran in turns with an earlier row
-                continue
-            gc.collect()
-            row = results[key] = MethodResult(key, TRAINING_ROWS[key], images=len(ds))
-            if key == "decode_crop":
-                row.epoch_seconds = dataloader(DecodingDataset(ds.samples, transform=per_sample))
-            elif key == "mmcache_crop":
-                row.epoch_seconds = dataloader(MemmapImageDataset(cache, transform=per_sample))
-            elif key == "ffcv":
-                sys.path.insert(0, str(HERE))
-                from ffcv_bench import run_ffcv_peer
-
-                result = run_ffcv_peer(cache, batch_size, workers, epochs, size, workdir / "ffcv")
-                if isinstance(result, str):
-                    row.skipped = result
-                else:
-                    row.epoch_seconds, report.ffcv = result["epoch_seconds"], result
-            else:
-                # The in-process rows whose ratio is a target run in turns, epoch by epoch:
-                # one after the other, each met this VM's memory in a different state.
-                turns = [k for k in rows if k in ALTERNATED_ROWS]
-                runners = {k: epoch_runner(k, pool) for k in turns}
-                for k, seconds in _alternately(epochs, runners).items():
-                    results[k] = MethodResult(k, TRAINING_ROWS[k], images=len(ds))
-                    results[k].epoch_seconds = seconds
-            for k in [k for k in results if k not in said]:
-                said.add(k)
-                say(_describe(results[k]))
+    for key in rows:
+        if key in results:  # ran in turns with an earlier row
+            continue
+        gc.collect()
+        if key not in ALTERNATED_ROWS:
+            results[key] = one_row(key)
+            say(_describe(results[key]))
+            continue
+        # The in-process rows whose ratio is a target run in turns, epoch by epoch: run one
+        # after the other, each met this VM's memory in a different state.
+        turns = [k for k in rows if k in ALTERNATED_ROWS]
+        with ThreadPoolExecutor(threads) as pool:
+            times = _alternately(epochs, {k: epoch_runner(k, pool) for k in turns})
+        for k in turns:
+            results[k] = MethodResult(k, TRAINING_ROWS[k], epoch_seconds=times[k], images=len(ds))
+            say(_describe(results[k]))
     report.rows = [results[key] for key in rows]
     report.targets = training_targets(report)
     return report
@@ -1105,18 +1107,6 @@ def _crop_thread_loop(
             jobs = list(zip(range(len(idx)), idx.tolist(), boxes.tolist(),
                             (rng.random(len(idx)) < 0.5).tolist()))  # fmt: skip
             list(pool.map(fill, [jobs[t::threads] for t in range(threads)]))
-        return time.perf_counter() - start
-
-    return epoch
-
-
-def _loader_epoch(loader) -> Callable[[], float]:
-    """An epoch of ``loader`` per call, returning its seconds."""
-
-    def epoch() -> float:
-        start = time.perf_counter()
-        for _images, _labels in loader:
-            pass
         return time.perf_counter() - start
 
     return epoch
