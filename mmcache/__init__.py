@@ -34,7 +34,7 @@ from .errors import (
 from .plan import CachePlan, check_free_space, plan_cache
 from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
-from .verify import BadRecord, VerifyReport, verify_cache
+from .verify import BadRecord, RepairReport, VerifyReport, repair_cache, verify_cache
 
 __all__ = [
     "__version__",
@@ -65,6 +65,7 @@ __all__ = [
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "Records",
+    "RepairReport",
     "SourceError",
     "StaleCacheWarning",
     "StrictBuildError",
@@ -77,6 +78,7 @@ __all__ = [
     "create_lazy_cache",
     "decode_image",
     "plan_cache",
+    "repair_cache",
     "cache_info",
     "evict_cache",
     "scan_source",

@@ -26,9 +26,9 @@ from . import format as fmt
 from ._feedback import ProgressFn, human_bytes
 from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
-from ._workers import Job, Result, chunked
+from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions
-from .errors import OptionsChangedError, SourceError, StrictBuildError
+from .errors import CacheFormatError, OptionsChangedError, SourceError, StrictBuildError
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
@@ -206,10 +206,7 @@ def current_report(files: fmt.CacheFiles) -> BuildReport:
     m = files.manifest
     codes = files.state["state"]
     # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
-    bad = [
-        {"path": files.path(i), "reason": fmt.BAD_REASONS[int(codes[i])]}
-        for i in np.flatnonzero(codes > fmt.FILLED)
-    ]
+    bad = fmt.found_bad(files)
     return BuildReport(
         cache=m.path,
         images=int((codes == fmt.FILLED).sum()),
@@ -474,12 +471,107 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     return manifest, report
 
 
-def publish(s: Session, manifest: fmt.Manifest) -> None:
+def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
     """Make ``manifest`` the cache's current version, then delete the previous generation's
-    files (its data file only if the new one does not share it)."""
+    files (its data file only if the new one does not share it). ``s``: the build's session,
+    or the cache files a repair replaces."""
+    previous = s if isinstance(s, fmt.CacheFiles) else s.previous
     fmt.write_manifest(manifest)
-    if s.previous is not None:
-        fmt.retire(s.previous.manifest, manifest)
+    if previous is not None:
+        fmt.retire(previous.manifest, manifest)
+
+
+class _NothingRepaired(Exception):
+    """Raised inside ``redecode`` when no record decoded again: nothing is to be published."""
+
+
+def redecode(
+    files: fmt.CacheFiles,
+    records: Iterable[int],
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[int, str]:
+    """Decode ``records`` of a cache again from its recorded source, and publish a generation
+    in which they hold the new pixels; the caller holds the cache's writer lock.
+
+    As a refresh does, the new pixels are appended to the data file and every other record
+    stays where it is, so readers of the current generation are undisturbed and the previous
+    record becomes garbage (``compact_cache`` drops it). A record whose source file is gone,
+    changed since it was listed (the decoder checks its size and mtime) or no longer decodes
+    keeps its old offset, pixels and checksum: the cache keeps its records and their order.
+    Nothing is published when no record decoded again.
+
+    Returns:
+        Why each record that was not decoded again was not (empty when all were).
+    """
+    m = files.manifest
+    n = len(files.index)
+    todo = sorted(set(map(int, records)))
+    if not todo:
+        return {}
+    try:
+        options = Options.from_json(m.options)
+    except (TypeError, ValueError) as e:
+        raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
+    listing = Listing(
+        root=Path(m.source["root"]),
+        kind=m.source.get("kind", "folder"),
+        list_file=None,
+        classes=list(m.classes),
+        paths=[files.path(i) for i in range(n)],
+        labels=files.index["label"].astype(np.int64),
+        sizes=files.index["source_size"].astype(np.int64),
+        mtimes=files.index["source_mtime_ns"].astype(np.int64),
+    )
+    shapes = fmt.record_shapes(files.index)
+    offsets = files.index["offset"].astype(np.uint64)
+    # The records to decode go after the current records, each on its own aligned start.
+    start = fmt.aligned(m.sizes["data"])
+    moved, end = fmt.layout_offsets(fmt.record_nbytes(files.index)[todo])
+    offsets[todo] = moved + np.uint64(start)
+    layout = Layout(shapes, offsets, start + end,
+                    files.state["state"].copy(), np.zeros(n, np.int64))  # fmt: skip
+    g = Generation(
+        folder=m.path, gen=fmt.new_generation(), listing=listing, layout=layout,
+        state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
+        overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
+        appended_after=m.sizes["data"],
+    )  # fmt: skip
+    check_free_space(m.path, disk_bytes({**m.sizes, "data": layout.data_bytes - start}))
+    failed: dict[int, str] = {}
+    try:
+        with discarded_on_failure(g):
+            fmt.extend_data_file(g.data_path, layout.data_bytes)
+            g.state[todo] = fmt.EMPTY
+            g.record(decode_records(g.jobs(todo), g.data_path, options, workers, progress))
+            for i in todo:
+                if g.state[i] != fmt.FILLED:  # left as it was
+                    failed[i] = g.messages.get(i) or fmt.BAD_REASONS[int(g.state[i])]
+                    g.state[i] = files.state["state"][i]
+                    g.crcs[i] = files.state["crc32"][i]
+                    layout.offsets[i] = files.index["offset"][i]
+            if len(failed) == len(todo):
+                raise _NothingRepaired
+            data_bytes = layout.data_bytes
+            if g.overflow:  # the source now decodes to another size
+                data_bytes = _append_overflow(
+                    g.data_path, g.overflow, layout, layout.offsets, data_bytes
+                )
+            index = files.index.copy()
+            index["offset"] = layout.offsets
+            index["height"], index["width"], index["channels"] = layout.shapes.T
+            state = np.zeros(n, fmt.STATE_DTYPE)
+            state["crc32"], state["state"] = g.crcs, g.state
+            sizes = fmt.write_generation(
+                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen
+            )
+            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            manifest = fmt.Manifest(**{**vars(m), "generation": g.gen, "sizes": sizes,
+                                       "extra": {**m.extra, "created": created}})  # fmt: skip
+            publish(files, manifest)
+    except _NothingRepaired:
+        pass
+    return failed
 
 
 def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:

@@ -451,11 +451,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_cache
+    from .verify import repair_cache, verify_cache
 
     bar = _Progress("verifying", unit="rec", quiet=args.quiet)
     try:
-        report = verify_cache(args.cache, source=args.source or False, progress=bar)
+        if args.repair:
+            repair = repair_cache(
+                args.cache, source=args.source or False, progress=bar, workers=args.workers
+            )
+            report = repair.found
+        else:
+            report = verify_cache(args.cache, source=args.source or False, progress=bar)
     finally:
         bar.close()
     if args.quiet and report.ok:
@@ -480,6 +486,33 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         + (f": {len(report.bad):,} BAD" if report.bad else ": all good")
     )
+    if args.repair:
+        return _print_repair(repair)
+    if not report.ok:
+        print(
+            f"  `mmcache verify {report.cache} --repair` decodes the bad records again from the "
+            "source the cache was built from"
+        )
+    return 0 if report.ok else 1
+
+
+def _print_repair(report) -> int:
+    """``report`` (a ``mmcache.verify.RepairReport``) after the verification lines; the exit
+    status: 0 when the cache is sound now."""
+    for b in report.unrepaired[:50]:
+        print(f"  not repaired: record {b.index} {b.path}: {b.what}")
+    if report.repaired:
+        print(
+            f"{report.cache}: {count(len(report.repaired), 'bad record')} repaired: decoded "
+            f"again from {report.source}, published as generation {report.generation}"
+        )
+    if report.unrepaired:
+        print(
+            f"{report.cache}: {count(len(report.unrepaired), 'bad record')} left as "
+            "they were: their source files vanished, changed since the build or no longer "
+            f"decode. `mmcache build {report.source} {report.cache}` with the options the cache "
+            "was made with refreshes changed and vanished files; else delete and rebuild it"
+        )
     return 0 if report.ok else 1
 
 
@@ -674,6 +707,19 @@ def _parser() -> argparse.ArgumentParser:
         choices=["sample", "all"],
         help="also decode the source again and compare: a 1%% sample, at least 20 files "
         "(default), or all",
+    )
+    v.add_argument(
+        "--repair",
+        action="store_true",
+        help="decode the bad records again from the source the cache was built from and "
+        "publish them (atomically, as a build does)",
+    )
+    v.add_argument(
+        "--workers",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="with --repair: decode processes (default: one per core)",
     )
 
     c = sub.add_parser(

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,14 +91,24 @@ def copy_cache(
         files = fmt.read_cache_files(m)
         if folder.exists() and os.path.samefile(folder, source):
             raise DestinationError(f"{folder}: is the cache being copied; choose another folder")
-        fmt.prepare_folder(folder)
-        with fmt.writer_lock(folder):
-            previous = fmt.open_existing(folder)
-            fmt.remove_stale_generations(folder, previous)
-            copied, verified, manifest = _copy_generation(fds, files, folder, progress)
-            fmt.write_manifest(manifest)
-            if previous is not None:
-                fmt.retire(previous.manifest, manifest)
+        had_lock = (folder / fmt.LOCK_NAME).exists()
+        created = fmt.prepare_folder(folder)
+        try:
+            with fmt.writer_lock(folder):
+                previous = fmt.open_existing(folder)
+                fmt.remove_stale_generations(folder, previous)
+                copied, verified, manifest = _copy_generation(fds, files, folder, progress)
+                fmt.write_manifest(manifest)
+                if previous is not None:
+                    fmt.retire(previous.manifest, manifest)
+        except BaseException:
+            # A failed copy leaves what was there: no folder it created, no lock file it made.
+            if created:
+                shutil.rmtree(folder, ignore_errors=True)
+            elif not had_lock and os.listdir(folder) == [fmt.LOCK_NAME]:
+                with suppress(FileNotFoundError):
+                    os.unlink(folder / fmt.LOCK_NAME)
+            raise
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -404,7 +404,8 @@ class MemmapImageDataset(Dataset):
             raise CacheFormatError(
                 f"{self.cache}: record {i} ({self._files.path(i)}): its pixels fail their "
                 f"checksum (CRC-32 {actual:08x}, stored {expected:08x}): the data file is "
-                "damaged; run `mmcache verify` and rebuild the cache"
+                f"damaged; `mmcache verify {self.cache} --repair` decodes it again from the "
+                "source"
             )
         self._verified[i] = True
 

@@ -1038,6 +1038,16 @@ def live_bytes(offsets: np.ndarray, nbytes: np.ndarray, data_size: int) -> int:
     return int(np.clip(np.minimum(padded, data_size - start), 0, None).sum())
 
 
+def found_bad(files: CacheFiles) -> list[dict[str, str]]:
+    """``{"path", "reason"}`` of each record in a ``BAD_*`` state: the files a lazy cache found
+    bad while filling (a build leaves such files out, listing them in ``skipped``)."""
+    codes = files.state["state"]
+    return [
+        {"path": files.path(int(i)), "reason": BAD_REASONS.get(int(codes[i]), "unknown state")}
+        for i in np.flatnonzero(codes > FILLED)
+    ]
+
+
 def garbage_bytes(files: CacheFiles) -> int:
     """Bytes of the data file no record of this generation covers (records that refreshes
     replaced or removed); 0 after a first build or a compaction."""

@@ -76,7 +76,8 @@ class CacheInfo:
             this generation, by size and by blocks allocated (less when the data file is sparse).
         live_bytes / garbage_bytes: the data file's bytes the records cover (pixels and
             alignment padding), and the rest (records that refreshes replaced or removed).
-        format_version, mode, generation, options, skipped: from the manifest.
+        format_version, mode, generation, options: from the manifest; skipped: the files the
+            build left out (the manifest's list) and the records lazy fills found bad.
         stale: ``None`` when the source is still matched (or absent), else the reason.
         source: the folder or list file the cache was made from; ``source_found``: whether it
             is there (a copied cache's may not be: then it is not compared).
@@ -359,7 +360,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         mode=m.mode,
         generation=m.generation,
         options=dict(m.options),
-        skipped=list(m.skipped),
+        skipped=list(m.skipped) + fmt.found_bad(files),  # and what lazy fills found bad
         stale=stale_reason(files) if check_stale else None,
         source=recorded_source(m),
         source_found=Path(recorded_source(m)).exists(),

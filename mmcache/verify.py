@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _writer as writer
 from . import format as fmt
 from ._feedback import ProgressFn
 from .decode import Options, preprocess, read_image
@@ -90,12 +91,20 @@ def verify_cache(
         >>> report = verify_cache("cache/train", source="sample")  # doctest: +SKIP
         >>> report.ok, [(b.index, b.path, b.what) for b in report.bad]  # doctest: +SKIP
     """
+    start = time.perf_counter()
+    report = _check(fmt.open_cache(cache), source, progress, seed)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check(
+    files: fmt.CacheFiles, source: bool | str, progress: ProgressFn | None, seed: int | None
+) -> VerifyReport:
+    """``verify_cache`` on opened cache files."""
     if source is True:
         source = "sample"
     if source not in SOURCE_MODES:
         raise ValueError(f"source must be False, 'sample' or 'all', got {source!r}")
-    start = time.perf_counter()
-    files = fmt.open_cache(cache)
     n = len(files.index)
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
     chosen = _source_sample(files, filled, source, seed)
@@ -117,6 +126,91 @@ def verify_cache(
     if len(chosen):
         _compare_source(files, chosen, report, progress, total)
     report.bad.sort(key=lambda b: b.index)
+    return report
+
+
+@dataclass
+class RepairReport:
+    """What ``repair_cache`` did. ``found``: what verification found before repairing (under
+    the cache's writer lock, so nothing changed between the two). ``repaired``: the bad records
+    decoded again from ``source``; ``unrepaired``: those left as they were, each with why
+    (``what``: its source file vanished, changed since the build, or no longer decodes).
+    ``generation``: the generation published, or None when nothing was."""
+
+    cache: Path
+    source: Path
+    found: VerifyReport
+    repaired: list[BadRecord] = field(default_factory=list)
+    unrepaired: list[BadRecord] = field(default_factory=list)
+    generation: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the cache is sound now: nothing was bad, or every bad record was repaired."""
+        return not self.unrepaired
+
+
+def repair_cache(
+    cache: str | os.PathLike,
+    source: bool | str = False,
+    progress: ProgressFn | None = None,
+    *,
+    workers: int | None = None,
+    seed: int | None = None,
+) -> RepairReport:
+    """Verify a cache as ``verify_cache`` does, then decode exactly its bad records again from
+    the source it was built from (``manifest.json``'s ``source.root``) and publish the result.
+
+    The new pixels are appended to the data file and published as a new generation, atomically,
+    as a refresh is: the other records stay where they are, a process that has the cache open
+    keeps reading the generation it opened, and a repair stopped half-way changes nothing. A
+    bad record whose source file vanished, changed since the build (its size or mtime) or no
+    longer decodes is left as it is, still bad, and named in ``report.unrepaired``: the cache
+    keeps every record and its order. (A build from the source then refreshes it: it decodes a
+    changed file again and drops a vanished one.)
+
+    A separate function rather than ``verify_cache(repair=True)``: verifying only reads and can
+    run beside training, while a repair writes, takes the writer lock and reports what it did.
+
+    Args:
+        cache: the cache folder.
+        source: which records to check, as for ``verify_cache``: ``False`` (checksums),
+            ``"sample"`` or ``"all"`` (also compare with the source; records found to differ
+            are repaired too).
+        progress: called as ``progress(done, total)`` while verifying, then while decoding.
+        workers: decode processes (default: one per core, at most one per bad record); 0
+            decodes in this process.
+        seed: seeds the choice of the sample.
+
+    Returns:
+        A ``RepairReport``; ``report.ok`` when the cache is sound now.
+
+    Raises:
+        CacheNotFoundError, CacheFormatError: as ``verify_cache``.
+        InsufficientSpaceError: no room to append the repaired records (nothing is published).
+
+    Example:
+        >>> report = repair_cache("cache/train")  # doctest: +SKIP
+        >>> report.ok, [(b.path, b.what) for b in report.unrepaired]  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    folder = Path(cache).expanduser().absolute()
+    fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
+    with fmt.writer_lock(folder):
+        files = fmt.open_cache(folder)
+        fmt.remove_stale_generations(folder, files)
+        found = _check(files, source, progress, seed)
+        found.seconds = time.perf_counter() - start
+        report = RepairReport(folder, Path(files.manifest.source["root"]), found)
+        failed = writer.redecode(files, [b.index for b in found.bad], workers, progress)
+        for b in found.bad:
+            if b.index in failed:
+                report.unrepaired.append(BadRecord(b.index, b.path, failed[b.index]))
+            else:
+                report.repaired.append(b)
+        if report.repaired:
+            report.generation = fmt.read_manifest(folder).generation
     report.seconds = time.perf_counter() - start
     return report
 
@@ -202,7 +296,8 @@ def _compare_source(
     progress: ProgressFn | None,
     total: int,
 ) -> None:
-    """Decode each chosen record's source file as the build did, and compare the pixels."""
+    """Decode each chosen record's source file as the build did, and compare the pixels;
+    records already found bad (their checksum) are not decoded: one record, one entry."""
     m = files.manifest
     try:
         options = Options.from_json(m.options)
@@ -211,16 +306,18 @@ def _compare_source(
     root = Path(m.source["root"])
     index = files.index
     path = m.file("data")
+    known = {b.index for b in report.bad}
     with open(path, "rb") as f:
         for done, r in enumerate(records, 1):
-            rel = files.path(int(r))
-            src = root / rel
+            src = root / files.path(int(r))
             rec = index[r]
             try:
                 st = src.stat()
             except OSError:
                 st = None
-            if st is None or (st.st_size, st.st_mtime_ns) != (
+            if int(r) in known:
+                pass
+            elif st is None or (st.st_size, st.st_mtime_ns) != (
                 int(rec["source_size"]),
                 int(rec["source_mtime_ns"]),
             ):

@@ -376,6 +376,20 @@ def test_a_bad_file_raises_by_default(src_with_bad, tmp_path):
     assert MemmapImageDataset(cache).targets == [0, 0, 0, 1, 1, 1]
 
 
+def test_info_counts_the_records_lazy_fills_found_bad(src_with_bad, tmp_path, capsys):
+    from mmcache import cache_info
+    from mmcache.cli import main
+
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src_with_bad, size=(8, 8))
+    with pytest.raises(DecodeError):
+        ds[1]
+    assert [s["path"] for s in cache_info(cache).skipped] == ["a/img_001.jpg"]
+    assert main(["info", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped" in out and "skipped a/img_001.jpg: the decoder could not read it" in out
+
+
 def test_a_bad_file_without_size_is_left_out_at_creation_as_a_build_does(src_with_bad, tmp_path):
     report = create_lazy_cache(src_with_bad, tmp_path / "cache")
     assert report.decoded == 0 and [s["path"] for s in report.skipped] == ["a/img_001.jpg"]

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import zlib
 
 import numpy as np
 import pytest
 
-from mmcache import CacheFormatError, MemmapImageDataset, build_cache, verify_cache
+from mmcache import (
+    CacheFormatError,
+    MemmapImageDataset,
+    build_cache,
+    copy_cache,
+    decode_image,
+    repair_cache,
+    verify_cache,
+)
 from mmcache import format as fmt
 from mmcache.cli import main
 
@@ -152,3 +162,84 @@ def test_a_sample_is_1_percent_of_a_large_cache(tmp_path, capsys):
     assert verify_cache(tmp_path / "c", source="sample", seed=3).source_compared == 30
     assert main(["verify", str(tmp_path / "c"), "--source"]) == 0
     assert "30 compared with the source" in capsys.readouterr().out
+
+
+def _damage(cache, i):
+    """Flip one byte in the middle of record ``i``'s pixels; returns the opened files."""
+    files, off, n = _record(cache, i)
+    _flip(files.manifest.file("data"), off + n // 2, bit=3)
+    return files
+
+
+def test_a_flipped_byte_is_repaired_by_verify_repair(cache, small_folder, capsys):
+    before = _damage(cache, 5)
+    assert main(["verify", str(cache), "--repair", "--workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "bad record 5" in out and "1 bad record repaired" in out
+    assert verify_cache(cache).ok
+    after = fmt.open_cache(cache)
+    assert after.manifest.generation != before.manifest.generation
+    # only record 5 moved (appended, as a refresh appends); the others stay where they were
+    moved = np.flatnonzero(after.index["offset"] != before.index["offset"])
+    assert moved.tolist() == [5]
+    ds = MemmapImageDataset(cache, verify="first-read")
+    for i in range(len(ds)):
+        assert np.array_equal(ds.read(i), decode_image(small_folder / after.path(i)))
+    # and a build finds it current
+    assert build_cache(small_folder, cache, workers=1).up_to_date
+
+
+def test_the_messages_name_the_repair_command_and_it_is_accepted(cache, capsys):
+    _damage(cache, 3)
+    with pytest.raises(CacheFormatError) as e:
+        MemmapImageDataset(cache, verify="first-read")[3]
+    command = re.search(r"`(mmcache verify [^`]*--repair)`", str(e.value)).group(1)
+    assert main(["verify", str(cache)]) == 1
+    assert f"`{command}`" in capsys.readouterr().out
+    assert main(shlex.split(command)[1:]) == 0
+    assert verify_cache(cache).ok
+
+
+def test_one_bad_record_counts_once_when_compared_with_the_source(cache, capsys):
+    _damage(cache, 4)
+    report = verify_cache(cache, source="all")
+    assert [b.index for b in report.bad] == [4]
+    assert main(["verify", str(cache), "--source", "all"]) == 1
+    assert ": 1 BAD" in capsys.readouterr().out
+    repair = repair_cache(cache, source="all", workers=0)
+    assert [b.index for b in repair.repaired] == [4] and repair.ok
+
+
+def test_a_record_whose_source_vanished_or_changed_is_left_as_it_was(cache, small_folder, capsys):
+    files = _damage(cache, 1)
+    _damage(cache, 2)
+    (small_folder / files.path(1)).unlink()
+    os.utime(small_folder / files.path(2), ns=(1, 1))
+    generation = files.manifest.generation
+    assert main(["verify", str(cache), "--repair", "--workers", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "not repaired: record 1" in out and "vanished since it was listed" in out
+    assert "not repaired: record 2" in out and "changed since it was listed" in out
+    assert f"`mmcache build {small_folder} {cache}`" in out
+    assert fmt.read_manifest(cache).generation == generation  # nothing published
+    assert [b.index for b in verify_cache(cache).bad] == [1, 2]
+    # one of two repairable: the other is repaired, this one stays as it was
+    _damage(cache, 6)
+    report = repair_cache(cache, workers=0)
+    assert [b.index for b in report.repaired] == [6] and not report.ok
+    assert [b.index for b in report.unrepaired] == [1, 2]
+    assert [b.index for b in verify_cache(cache).bad] == [1, 2]
+    # and a build from the source refreshes them, as the message says
+    build_cache(small_folder, cache, workers=1)
+    assert verify_cache(cache).ok
+
+
+def test_a_failed_copy_leaves_nothing_new_behind(cache, tmp_path):
+    _damage(cache, 0)
+    with pytest.raises(CacheFormatError, match="does not match its CRC-32"):
+        copy_cache(cache, tmp_path / "new" / "copy")
+    assert not (tmp_path / "new" / "copy").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CacheFormatError):
+        copy_cache(cache, tmp_path / "empty")
+    assert os.listdir(tmp_path / "empty") == []
