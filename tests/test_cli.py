@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import write_image
 
+import mmcache
+import mmcache.space
 from mmcache import MemmapImageDataset
 from mmcache.cli import main
 
@@ -221,3 +226,104 @@ def test_every_argument_of_every_command_has_help():
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert missing == []
+
+
+# --- every option a message offers is one the command (or function) it names accepts ------------
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from mmcache.cli import _parser
+
+    parser = _parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _accepts(function, keyword: str) -> bool:
+    return keyword in inspect.signature(function).parameters
+
+
+def assert_offers_accepted(message: str, command: str, function) -> None:
+    """Each option ``message`` offers works: a `mmcache SUB --flag` or `name(..., kw=...)` in
+    backticks where that command or function takes it; a bare --flag or kw=True where the message
+    came from: the subcommand ``command`` and the Python call ``function`` (the pair that mirror
+    each other, as a library message serves both)."""
+    subcommands = _subcommands()
+    offered = 0
+    for sub, rest in re.findall(r"`mmcache (\w+)([^`]*)`", message):
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert flag in subcommands[sub]._option_string_actions, (sub, flag, message)
+            offered += 1
+    for name, args in re.findall(r"`(\w+)\(([^`]*)\)`", message):
+        for keyword in re.findall(r"\b([a-z_]+)=", args):
+            assert _accepts(getattr(mmcache, name), keyword), (name, keyword, message)
+            offered += 1
+    bare = re.sub(r"`[^`]*`", "", message)
+    for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", bare):
+        assert flag in subcommands[command]._option_string_actions, (flag, message)
+        offered += 1
+    for keyword in re.findall(r"\b([a-z_]+)=True", bare):
+        assert _accepts(function, keyword), (keyword, message)
+        offered += 1
+    assert offered or "free some space there" in message, message
+
+
+# Each way a full disk is met: (the subcommand, the Python call it mirrors, what to run).
+SPACE_CASES = {
+    "build": ("build", "build_cache", lambda src, c, tmp: main(["build", str(src), str(c)])),
+    "create_lazy_cache": ("build", "create_lazy_cache", lambda src, c, tmp: (
+        mmcache.create_lazy_cache(src, c))),
+    "dataset": ("build", "MemmapImageDataset", lambda src, c, tmp: (
+        MemmapImageDataset(c, source=src))),
+    "copy": ("copy", "copy_cache", lambda src, c, tmp: main(["copy", str(c), str(tmp / "d")])),
+    "compact": ("compact", "compact_cache", lambda src, c, tmp: main(["compact", str(c)])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SPACE_CASES))
+def test_a_full_disk_offers_only_options_its_command_accepts(
+    small_folder, tmp_path, capsys, monkeypatch, case
+):
+    command, function, run = SPACE_CASES[case]
+    cache = tmp_path / "c"
+    if command != "build":  # a cache to copy or compact, built while there is room
+        mmcache.build_cache(small_folder, cache, workers=0)
+    monkeypatch.setattr(mmcache.space, "free_bytes", lambda path: 0)
+    try:
+        assert run(small_folder, cache, tmp_path) == 1
+        message = capsys.readouterr().err
+    except mmcache.InsufficientSpaceError as e:
+        message = str(e)
+    assert "needs" in message and "free there" in message, message
+    assert_offers_accepted(message, command, getattr(mmcache, function))
+
+
+@pytest.mark.parametrize("through", ["cli", "dataset"])
+def test_changed_options_offer_only_options_their_command_accepts(
+    small_folder, tmp_path, capsys, through
+):
+    cache = tmp_path / "c"
+    mmcache.create_lazy_cache(small_folder, cache, max_side=32)
+    if through == "cli":
+        assert main(["build", str(small_folder), str(cache), "--max-side", "16"]) == 1
+        message, function = capsys.readouterr().err, mmcache.build_cache
+    else:
+        with pytest.raises(mmcache.OptionsChangedError) as e:
+            MemmapImageDataset(cache, source=small_folder, max_side=16)
+        message, function = str(e.value), MemmapImageDataset
+    assert "--replace" in message and "replace=True" in message
+    assert_offers_accepted(message, "build", function)
+
+
+def test_every_command_written_in_a_message_parses():
+    """Static: each `mmcache SUB --flag ...` in mmcache's source names a subcommand and flags it
+    has (messages built at run time are checked above)."""
+    subcommands = _subcommands()
+    package = Path(mmcache.__file__).parent
+    found = 0
+    for path in package.glob("*.py"):
+        for sub, rest in re.findall(r"`mmcache (\w+)([^`]*)`", path.read_text()):
+            assert sub in subcommands, (path.name, sub)
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+                assert flag in subcommands[sub]._option_string_actions, (path.name, sub, flag)
+            found += 1
+    assert found >= 10
