@@ -2,7 +2,10 @@
 
 Each subcommand calls one library function and prints its report. A user mistake (a missing
 folder, a damaged cache) prints one line, ``mmcache: error: ...``, and exits with status 1;
-Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it in-process.
+Ctrl-C exits with 130. Output cut short by its reader (``mmcache plan ... | head -1``) ends
+quietly with status 141, as a command killed by SIGPIPE would (128 + 13), so a pipeline under
+``set -o pipefail`` still sees that not everything was read. ``main(argv)`` returns the exit
+status, so tests call it in-process.
 """
 
 from __future__ import annotations
@@ -609,14 +612,19 @@ def _parser() -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
     )
 
+    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        """A subcommand; its one-line help in the list is also the first line of its --help."""
+        description = f"{help[0].upper()}{help[1:]}."
+        return sub.add_parser(name, help=help, description=description, **kwargs)
+
     def cache_command(name: str, func, help: str, quiet_flag: bool = True):
         """A subcommand whose first argument is a cache folder."""
-        cmd = sub.add_parser(name, parents=[quiet] if quiet_flag else [], help=help)
+        cmd = command(name, help, parents=[quiet] if quiet_flag else [])
         cmd.add_argument("cache", help="the cache folder")
         cmd.set_defaults(func=func, quiet=False)
         return cmd
 
-    b = sub.add_parser("build", parents=[quiet], help="decode a source folder or list into a cache")
+    b = command("build", "decode a source folder or list into a cache", parents=[quiet])
     b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     b.add_argument("cache", help="cache folder to create or update")
     _add_preprocessing(b)
@@ -676,22 +684,20 @@ def _parser() -> argparse.ArgumentParser:
         "(default), or all",
     )
 
-    c = sub.add_parser(
-        "copy", parents=[quiet], help="copy a cache (to a node's local disk) and verify the copy"
+    c = command(
+        "copy", "copy a cache (to a node's local disk) and verify the copy", parents=[quiet]
     )
     c.add_argument("cache", help="the cache folder to copy")
     c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
     c.set_defaults(func=_cmd_copy)
 
-    pl = sub.add_parser(
-        "plan", help="how big a cache would be under each resize policy (reads headers only)"
-    )
+    pl = command("plan", "how big a cache would be under each resize policy (reads headers only)")
     pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
     _add_preprocessing(pl)
     pl.set_defaults(func=_cmd_plan, quiet=False)
 
-    d = sub.add_parser("demo", help="generate images, build a cache, compare epoch times")
+    d = command("demo", "generate images, build a cache, compare epoch times")
     d.add_argument(
         "--images", type=_positive, default=1000, help="images to generate (default 1000)"
     )
@@ -742,7 +748,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         with _notes_shown(args.quiet):
-            return args.func(args)
+            status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The Python documentation's recipe (library/signal, "Note on SIGPIPE"): point stdout
+        # at devnull, so the interpreter's own flush at exit finds nothing to complain about.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except CacheError as e:
         print(f"mmcache: error: {e}", file=sys.stderr)
         return 1

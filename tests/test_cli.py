@@ -327,3 +327,31 @@ def test_every_command_written_in_a_message_parses():
                 assert flag in subcommands[sub]._option_string_actions, (path.name, sub, flag)
             found += 1
     assert found >= 10
+
+
+@pytest.mark.parametrize("command", ["plan {src}", "info {cache} --json"])
+def test_output_into_a_closed_pipe_ends_quietly_with_status_141(small_folder, tmp_path, command):
+    mmcache.build_cache(small_folder, tmp_path / "c", workers=0)
+    args = command.format(src=small_folder, cache=tmp_path / "c").split()
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written, as after `| head -1`
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "mmcache", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (run.returncode, run.stderr) == (141, "")
+
+
+def test_every_command_has_a_description_in_its_help(capsys):
+    for name in _subcommands():
+        assert main([name, "--help"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        # usage (one or more lines), a blank line, then the description
+        description = lines[lines.index("") + 1]
+        assert description[0].isupper() and description.endswith("."), (name, lines[:4])
