@@ -355,3 +355,24 @@ def test_every_command_has_a_description_in_its_help(capsys):
         # usage (one or more lines), a blank line, then the description
         description = lines[lines.index("") + 1]
         assert description[0].isupper() and description.endswith("."), (name, lines[:4])
+
+
+def test_file_names_with_odd_bytes_keep_json_json_and_lines_lines(tmp_path, capsys):
+    src = tmp_path / "src"
+    write_image(src / "a" / "good.jpg", 32, 24)
+    odd = [b"a/\xfe\xff.jpg", b"a/x.jpg\n  skipped y.jpg: not an image\x1b[2J.jpg"]
+    for name in odd:  # not images: skipped, so their names reach the summary and the manifest
+        with open(os.fsencode(src) + b"/" + name, "wb") as f:
+            f.write(b"not an image")
+    assert main(["build", str(src), str(tmp_path / "c"), "--workers", "0"]) == 0
+    build_out = capsys.readouterr().out
+    assert main(["info", str(tmp_path / "c")]) == 0
+    info_out = capsys.readouterr().out
+    for out in (build_out, info_out):
+        skipped = [line for line in out.splitlines() if line.lstrip().startswith("skipped ")]
+        assert len(skipped) == 2, out
+        assert "\x1b" not in out and "a/x.jpg\\n  skipped y.jpg" in out
+        assert "a/\\xfe\\xff.jpg" in out
+    assert main(["info", str(tmp_path / "c"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert sorted(os.fsencode(s["path"]) for s in info["skipped"]) == sorted(odd)
