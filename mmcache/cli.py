@@ -415,8 +415,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="mmcache-demo-")
     print(
         f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[0]}x"
-        f"{args.image_size[1]} in {workdir}, {args.epochs} epochs, batch {args.batch_size}, "
-        f"{args.workers} DataLoader workers"
+        f"{args.image_size[1]} in {_one_line(workdir)}, {args.epochs} epochs, "
+        f"batch {args.batch_size}, {args.workers} DataLoader workers"
     )
     bar = _Progress("building cache")
 
