@@ -732,7 +732,12 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         offsets, data_bytes = fmt.layout_offsets(nbytes)
         gen = fmt.new_generation()
         sizes = {**m.sizes, "data": data_bytes}
-        check_free_space(folder, disk_bytes(sizes))
+        check_free_space(
+            folder,
+            disk_bytes(sizes),
+            advice="free some space there; the cache is unchanged (a compaction writes the "
+            "compact data file beside the current one)",
+        )
         try:
             fmt.create_data_file(folder / fmt.file_name("data", gen), data_bytes)
             copied = _copy_filled(files, offsets, folder / fmt.file_name("data", gen))

@@ -2,7 +2,10 @@
 
 Each subcommand calls one library function and prints its report. A user mistake (a missing
 folder, a damaged cache) prints one line, ``mmcache: error: ...``, and exits with status 1;
-Ctrl-C exits with 130. ``main(argv)`` returns the exit status, so tests call it in-process.
+Ctrl-C exits with 130. Output cut short by its reader (``mmcache plan ... | head -1``) ends
+quietly with status 141, as a command killed by SIGPIPE would (128 + 13), so a pipeline under
+``set -o pipefail`` still sees that not everything was read. ``main(argv)`` returns the exit
+status, so tests call it in-process.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -195,14 +199,14 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
 
 def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     for folder in report.ignored:
-        out(f"  ignored {folder}/ in the source: it holds an mmcache cache")
+        out(f"  ignored {_one_line(folder)}/ in the source: it holds an mmcache cache")
     images = count(report.images, "image")
     pending = f", {count(report.pending, 'record')} to fill on first read" if report.pending else ""
     if report.up_to_date:
-        out(f"{report.cache}: up to date ({images}{pending}; nothing decoded)")
+        out(f"{_one_line(report.cache)}: up to date ({images}{pending}; nothing decoded)")
     else:
         out(
-            f"{report.cache}: {images} in {count(report.classes, 'class', 'classes')}, "
+            f"{_one_line(report.cache)}: {images} in {count(report.classes, 'class', 'classes')}, "
             f"{human_bytes(report.bytes)}, in {report.seconds:.1f} s"
         )
         new = report.decoded - report.changed
@@ -232,11 +236,11 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     if report.compaction_deferred:
         out(f"  not compacted: {report.compaction_deferred}")
     for s in report.skipped[:20]:
-        out(f"  skipped {s['path']}: {s['reason']}")
+        out(f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}")
     if len(report.skipped) > 20:
         out(f"  ... and {len(report.skipped) - 20:,} more (see manifest.json)")
     for w in report.warnings[:5]:
-        out(f"  warning {w['path']}: {w['reason']}")
+        out(f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}")
     if len(report.warnings) > 5:
         out(f"  ... {len(report.warnings) - 5:,} more decoder warnings (see manifest.json)")
 
@@ -252,7 +256,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     report = compact_cache(args.cache)
     if not args.quiet:
         print(
-            f"{report.cache}: compacted in {report.seconds:.1f} s: "
+            f"{_one_line(report.cache)}: compacted in {report.seconds:.1f} s: "
             f"{human_bytes(report.dropped_garbage)} of garbage dropped, the data file is now "
             f"{human_bytes(report.bytes)} ({count(report.images, 'image')})"
         )
@@ -326,7 +330,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     print(
-        f"{report.dest}: {count(report.images, 'image')}, {human_bytes(report.bytes)} "
+        f"{_one_line(report.dest)}: {count(report.images, 'image')}, {human_bytes(report.bytes)} "
         f"({human_bytes(report.copied)} copied, holes skipped), {report.seconds:.1f} s, "
         f"{human_bytes(report.bytes_per_second)}/s; {report.verified:,} records verified"
     )
@@ -335,7 +339,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
 
 def _print_plan(plan, out: Callable[[str], None]) -> None:
     """``plan`` (a ``mmcache.plan.CachePlan``) as a table a person reads before building."""
-    out(f"source       {plan.source}")
+    out(f"source       {_one_line(plan.source)}")
     out(
         f"images       {plan.files:,} files in {plan.classes:,} "
         f"{'class' if plan.classes == 1 else 'classes'} (headers read in {plan.seconds:.2f} s)"
@@ -374,8 +378,9 @@ def _print_plan(plan, out: Callable[[str], None]) -> None:
     out("")
     if plan.cache is not None:
         out(
-            f"destination  {plan.cache}: {human_bytes(plan.free_bytes)} free on the filesystem "
-            f"of {plan.destination}; this build needs {human_bytes(plan.build.disk_bytes)}"
+            f"destination  {_one_line(plan.cache)}: {human_bytes(plan.free_bytes)} free on the "
+            f"filesystem of {_one_line(plan.destination)}; this build needs "
+            f"{human_bytes(plan.build.disk_bytes)}"
         )
         if plan.up_to_date:
             out("             the cache there is up to date: a build would do nothing")
@@ -410,8 +415,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="mmcache-demo-")
     print(
         f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[0]}x"
-        f"{args.image_size[1]} in {workdir}, {args.epochs} epochs, batch {args.batch_size}, "
-        f"{args.workers} DataLoader workers"
+        f"{args.image_size[1]} in {_one_line(workdir)}, {args.epochs} epochs, "
+        f"batch {args.batch_size}, {args.workers} DataLoader workers"
     )
     bar = _Progress("building cache")
 
@@ -467,11 +472,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.quiet and report.ok:
         return 0
     for b in report.bad[:50]:
-        print(f"  bad record {b.index} {b.path}: {b.what}")
+        print(f"  bad record {b.index} {_one_line(b.path)}: {_one_line(b.what)}")
     if len(report.bad) > 50:
         print(f"  ... and {len(report.bad) - 50} more bad records")
     print(
-        f"{report.cache}: {report.checked:,} of {report.records:,} records checked "
+        f"{_one_line(report.cache)}: {report.checked:,} of {report.records:,} records checked "
         f"({human_bytes(report.bytes)}, {report.seconds:.1f} s)"
         + (f", {report.empty:,} not filled yet" if report.empty else "")
         + (
@@ -527,7 +532,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     info = cache_info(args.cache)
     if args.json:
-        print(json.dumps(info.to_json(), indent=1, ensure_ascii=False))
+        print(_json(info.to_json()))
         return 0
 
     def shape(s: tuple[int, int, int]) -> str:  # as the arrays and --json give it
@@ -543,15 +548,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "smallest and largest)"
         )
     if info.stale:
-        source = f"changed: {info.stale}"
+        source = f"changed: {_one_line(info.stale)}"
     elif not info.source_found:
-        source = f"not found at {info.source}, so not compared"
+        source = f"not found at {_one_line(info.source)}, so not compared"
     else:
-        source = f"{info.source}, unchanged"
+        source = f"{_one_line(info.source)}, unchanged"
     options = ", ".join(f"{k}={v}" for k, v in info.options.items() if v is not None)
     ram = "cgroup limit" if info.cgroup_limited else "RAM"
     lines = [
-        f"cache:      {info.cache}",
+        f"cache:      {_one_line(info.cache)}",
         f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
         f"generation {info.generation}",
         f"images:     {info.images:,} ({info.filled:,} filled), "
@@ -567,7 +572,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"{human_bytes(info.ram_available)} available",
         f"source:     {source}",
     ]
-    lines += [f"  skipped {s['path']}: {s['reason']}" for s in info.skipped[:20]]
+    lines += [
+        f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}" for s in info.skipped[:20]
+    ]
     if len(info.skipped) > 20:
         lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
     print("\n".join(lines))
@@ -585,7 +592,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     print(
-        f"{report.cache}: {_share(report.resident_after, report.data_bytes)} resident "
+        f"{_one_line(report.cache)}: {_share(report.resident_after, report.data_bytes)} resident "
         f"(was {_share(report.resident_before, report.data_bytes)}), "
         f"{human_bytes(report.read_bytes)} read in {report.seconds:.1f} s"
         + (
@@ -608,7 +615,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     else:
         status = f"{human_bytes(after)} of the data stays resident (mapped by a running process?)"
     if not args.quiet:
-        print(f"{args.cache}: {status}")
+        print(f"{_one_line(args.cache)}: {status}")
     return 0
 
 
@@ -642,14 +649,19 @@ def _parser() -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
     )
 
+    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        """A subcommand; its one-line help in the list is also the first line of its --help."""
+        description = f"{help[0].upper()}{help[1:]}."
+        return sub.add_parser(name, help=help, description=description, **kwargs)
+
     def cache_command(name: str, func, help: str, quiet_flag: bool = True):
         """A subcommand whose first argument is a cache folder."""
-        cmd = sub.add_parser(name, parents=[quiet] if quiet_flag else [], help=help)
+        cmd = command(name, help, parents=[quiet] if quiet_flag else [])
         cmd.add_argument("cache", help="the cache folder")
         cmd.set_defaults(func=func, quiet=False)
         return cmd
 
-    b = sub.add_parser("build", parents=[quiet], help="decode a source folder or list into a cache")
+    b = command("build", "decode a source folder or list into a cache", parents=[quiet])
     b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     b.add_argument("cache", help="cache folder to create or update")
     _add_preprocessing(b)
@@ -722,22 +734,20 @@ def _parser() -> argparse.ArgumentParser:
         help="with --repair: decode processes (default: one per core)",
     )
 
-    c = sub.add_parser(
-        "copy", parents=[quiet], help="copy a cache (to a node's local disk) and verify the copy"
+    c = command(
+        "copy", "copy a cache (to a node's local disk) and verify the copy", parents=[quiet]
     )
     c.add_argument("cache", help="the cache folder to copy")
     c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
     c.set_defaults(func=_cmd_copy)
 
-    pl = sub.add_parser(
-        "plan", help="how big a cache would be under each resize policy (reads headers only)"
-    )
+    pl = command("plan", "how big a cache would be under each resize policy (reads headers only)")
     pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
     _add_preprocessing(pl)
     pl.set_defaults(func=_cmd_plan, quiet=False)
 
-    d = sub.add_parser("demo", help="generate images, build a cache, compare epoch times")
+    d = command("demo", "generate images, build a cache, compare epoch times")
     d.add_argument(
         "--images", type=_positive, default=1000, help="images to generate (default 1000)"
     )
@@ -788,13 +798,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         with _notes_shown(args.quiet):
-            return args.func(args)
+            status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The Python documentation's recipe (library/signal, "Note on SIGPIPE"): point stdout
+        # at devnull, so the interpreter's own flush at exit finds nothing to complain about.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except CacheError as e:
-        print(f"mmcache: error: {e}", file=sys.stderr)
+        print(f"mmcache: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("mmcache: interrupted", file=sys.stderr)
         return 130
+
+
+# Control characters (C0, DEL, C1) as a Python string literal writes them: \n, \t, \x1b.
+_CONTROL = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def _one_line(text: object) -> str:
+    """A path (or other text from outside: a decoder's reason, an error) as it is printed for a
+    person: on one line, a newline or escape sequence in a file name shown as ``\\n`` or
+    ``\\x1b`` rather than acted on. Undecodable bytes are left to the stream, which writes them
+    as ``\\xNN`` (``_escape_bytes``)."""
+    return str(text).translate(_CONTROL)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json(value: object) -> str:
+    """``value`` as JSON that stays JSON for any file name. Names are ``os.fsdecode`` strings,
+    whose undecodable bytes are lone surrogates (byte 0xfe is U+DCFE): they are written as the
+    JSON escape ``\\udcfe``, which every JSON parser accepts, and ``os.fsencode`` of the parsed
+    string gives back the name's bytes. Other characters are written as they are (UTF-8)."""
+    text = json.dumps(value, indent=1, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _escape_bytes(error: UnicodeEncodeError) -> tuple[str, int]:

@@ -131,7 +131,9 @@ def _copy_generation(
     regions = {kind: _data_regions(fds[kind], m.sizes[kind]) for kind in fmt.FILE_KINDS}
     sizes = {kind: sum(n for _, n in regions[kind]) for kind in fmt.FILE_KINDS}
     total = sum(sizes.values())
-    check_free_space(folder, disk_bytes(sizes))  # the holes skipped take no space
+    check_free_space(  # the holes skipped take no space
+        folder, disk_bytes(sizes), advice="free some space there or copy to another disk"
+    )
     gen = fmt.new_generation()
     copied = 0
     try:

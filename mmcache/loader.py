@@ -121,6 +121,7 @@ class BatchLoader:
 
     Example:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
+        >>> IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # mean, std
         >>> loader = BatchLoader(ds, 256, shuffle=True, seed=0, crop=RandomResizedCrop(224),
         ...                      flip=True, device="cuda", normalize=IMAGENET)  # doctest: +SKIP
         >>> for epoch in range(10):  # doctest: +SKIP

@@ -56,7 +56,21 @@ def free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(existing_ancestor(path)).free
 
 
-def check_free_space(folder: str | os.PathLike, needed_bytes: int, force: bool = False) -> int:
+# What a refused build (or lazy cache) may do: every option named here is one that command and
+# those functions accept (tests/test_cli.py checks each message's offers).
+BUILD_ADVICE = (
+    "free some space, choose a smaller size (`mmcache plan` compares them) or start anyway with "
+    "`mmcache build --force` (Python: `build_cache(..., force=True)` or "
+    "`create_lazy_cache(..., force=True)`)"
+)
+
+
+def check_free_space(
+    folder: str | os.PathLike,
+    needed_bytes: int,
+    force: bool = False,
+    advice: str = BUILD_ADVICE,
+) -> int:
     """Refuse to start writing a cache into ``folder`` when its filesystem lacks ``needed_bytes``.
 
     Call it after planning and before writing anything, so a refusal leaves nothing behind.
@@ -65,6 +79,7 @@ def check_free_space(folder: str | os.PathLike, needed_bytes: int, force: bool =
         folder: the cache folder (it need not exist yet).
         needed_bytes: what the files about to be written take on disk (``disk_bytes``).
         force: skip the check (``--force``): the write may then fail with a full disk.
+        advice: what the message tells the user to do; name only options the caller accepts.
 
     Returns:
         The free bytes found (-1 when ``force`` skipped the check).
@@ -81,8 +96,7 @@ def check_free_space(folder: str | os.PathLike, needed_bytes: int, force: bool =
     if free < needed_bytes:
         raise InsufficientSpaceError(
             f"{folder}: the cache needs {human_bytes(needed_bytes)} ({needed_bytes:,} bytes) of "
-            f"disk but only {human_bytes(free)} ({free:,} bytes) are free there; free some space, "
-            "choose a smaller size (`mmcache plan` compares them) or pass --force (force=True)"
+            f"disk but only {human_bytes(free)} ({free:,} bytes) are free there; {advice}"
         )
     return free
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import write_image
 
+import mmcache
+import mmcache.space
 from mmcache import MemmapImageDataset
 from mmcache.cli import main
 
@@ -221,3 +226,153 @@ def test_every_argument_of_every_command_has_help():
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert missing == []
+
+
+# --- every option a message offers is one the command (or function) it names accepts ------------
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from mmcache.cli import _parser
+
+    parser = _parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _accepts(function, keyword: str) -> bool:
+    return keyword in inspect.signature(function).parameters
+
+
+def assert_offers_accepted(message: str, command: str, function) -> None:
+    """Each option ``message`` offers works: a `mmcache SUB --flag` or `name(..., kw=...)` in
+    backticks where that command or function takes it; a bare --flag or kw=True where the message
+    came from: the subcommand ``command`` and the Python call ``function`` (the pair that mirror
+    each other, as a library message serves both)."""
+    subcommands = _subcommands()
+    offered = 0
+    for sub, rest in re.findall(r"`mmcache (\w+)([^`]*)`", message):
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert flag in subcommands[sub]._option_string_actions, (sub, flag, message)
+            offered += 1
+    for name, args in re.findall(r"`(\w+)\(([^`]*)\)`", message):
+        for keyword in re.findall(r"\b([a-z_]+)=", args):
+            assert _accepts(getattr(mmcache, name), keyword), (name, keyword, message)
+            offered += 1
+    bare = re.sub(r"`[^`]*`", "", message)
+    for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", bare):
+        assert flag in subcommands[command]._option_string_actions, (flag, message)
+        offered += 1
+    for keyword in re.findall(r"\b([a-z_]+)=True", bare):
+        assert _accepts(function, keyword), (keyword, message)
+        offered += 1
+    assert offered or "free some space there" in message, message
+
+
+# Each way a full disk is met: (the subcommand, the Python call it mirrors, what to run).
+SPACE_CASES = {
+    "build": ("build", "build_cache", lambda src, c, tmp: main(["build", str(src), str(c)])),
+    "create_lazy_cache": ("build", "create_lazy_cache", lambda src, c, tmp: (
+        mmcache.create_lazy_cache(src, c))),
+    "dataset": ("build", "MemmapImageDataset", lambda src, c, tmp: (
+        MemmapImageDataset(c, source=src))),
+    "copy": ("copy", "copy_cache", lambda src, c, tmp: main(["copy", str(c), str(tmp / "d")])),
+    "compact": ("compact", "compact_cache", lambda src, c, tmp: main(["compact", str(c)])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SPACE_CASES))
+def test_a_full_disk_offers_only_options_its_command_accepts(
+    small_folder, tmp_path, capsys, monkeypatch, case
+):
+    command, function, run = SPACE_CASES[case]
+    cache = tmp_path / "c"
+    if command != "build":  # a cache to copy or compact, built while there is room
+        mmcache.build_cache(small_folder, cache, workers=0)
+    monkeypatch.setattr(mmcache.space, "free_bytes", lambda path: 0)
+    try:
+        assert run(small_folder, cache, tmp_path) == 1
+        message = capsys.readouterr().err
+    except mmcache.InsufficientSpaceError as e:
+        message = str(e)
+    assert "needs" in message and "free there" in message, message
+    assert_offers_accepted(message, command, getattr(mmcache, function))
+
+
+@pytest.mark.parametrize("through", ["cli", "dataset"])
+def test_changed_options_offer_only_options_their_command_accepts(
+    small_folder, tmp_path, capsys, through
+):
+    cache = tmp_path / "c"
+    mmcache.create_lazy_cache(small_folder, cache, max_side=32)
+    if through == "cli":
+        assert main(["build", str(small_folder), str(cache), "--max-side", "16"]) == 1
+        message, function = capsys.readouterr().err, mmcache.build_cache
+    else:
+        with pytest.raises(mmcache.OptionsChangedError) as e:
+            MemmapImageDataset(cache, source=small_folder, max_side=16)
+        message, function = str(e.value), MemmapImageDataset
+    assert "--replace" in message and "replace=True" in message
+    assert_offers_accepted(message, "build", function)
+
+
+def test_every_command_written_in_a_message_parses():
+    """Static: each `mmcache SUB --flag ...` in mmcache's source names a subcommand and flags it
+    has (messages built at run time are checked above)."""
+    subcommands = _subcommands()
+    package = Path(mmcache.__file__).parent
+    found = 0
+    for path in package.glob("*.py"):
+        for sub, rest in re.findall(r"`mmcache (\w+)([^`]*)`", path.read_text()):
+            assert sub in subcommands, (path.name, sub)
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+                assert flag in subcommands[sub]._option_string_actions, (path.name, sub, flag)
+            found += 1
+    assert found >= 10
+
+
+@pytest.mark.parametrize("command", ["plan {src}", "info {cache} --json"])
+def test_output_into_a_closed_pipe_ends_quietly_with_status_141(small_folder, tmp_path, command):
+    mmcache.build_cache(small_folder, tmp_path / "c", workers=0)
+    args = command.format(src=small_folder, cache=tmp_path / "c").split()
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written, as after `| head -1`
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "mmcache", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (run.returncode, run.stderr) == (141, "")
+
+
+def test_every_command_has_a_description_in_its_help(capsys):
+    for name in _subcommands():
+        assert main([name, "--help"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        # usage (one or more lines), a blank line, then the description
+        description = lines[lines.index("") + 1]
+        assert description[0].isupper() and description.endswith("."), (name, lines[:4])
+
+
+def test_file_names_with_odd_bytes_keep_json_json_and_lines_lines(tmp_path, capsys):
+    src = tmp_path / "src"
+    write_image(src / "a" / "good.jpg", 32, 24)
+    odd = [b"a/\xfe\xff.jpg", b"a/x.jpg\n  skipped y.jpg: not an image\x1b[2J.jpg"]
+    for name in odd:  # not images: skipped, so their names reach the summary and the manifest
+        with open(os.fsencode(src) + b"/" + name, "wb") as f:
+            f.write(b"not an image")
+    assert main(["build", str(src), str(tmp_path / "c"), "--workers", "0"]) == 0
+    build_out = capsys.readouterr().out
+    assert main(["info", str(tmp_path / "c")]) == 0
+    info_out = capsys.readouterr().out
+    for out in (build_out, info_out):
+        skipped = [line for line in out.splitlines() if line.lstrip().startswith("skipped ")]
+        assert len(skipped) == 2, out
+        assert "\x1b" not in out and "a/x.jpg\\n  skipped y.jpg" in out
+        assert "a/\\xfe\\xff.jpg" in out
+    assert main(["info", str(tmp_path / "c"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert sorted(os.fsencode(s["path"]) for s in info["skipped"]) == sorted(odd)
