@@ -256,6 +256,9 @@ PYTHON_RUN = {
     ),
     ("lazy.md", 'ds = mmcache.MemmapImageDataset("cache/train", s'): "",
     ("lazy.md", 'report = mmcache.create_lazy_cache("data/train",'): "",
+    ("reliability.md", 'report = mmcache.repair_cache("cache/train")'): (
+        'mmcache.build_cache("data/train", "cache/train", workers=0)'
+    ),
     ("reliability.md", 'report = mmcache.verify_cache("cache/train", sour'): (
         'mmcache.build_cache("data/train", "cache/train", workers=0)'
     ),
