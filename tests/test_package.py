@@ -1,5 +1,5 @@
-"""What the package shows its users and their tools: a sorted ``__all__``, every exported name in
-``dir()``, the lazily imported torch names visible to type checkers, and ``py.typed`` in the wheel."""
+"""What the package shows its users and their tools: a sorted ``__all__``, every exported name
+in ``dir()``, the lazy torch names visible to type checkers, and ``py.typed`` in the wheel."""
 
 from __future__ import annotations
 
