@@ -9,6 +9,8 @@ The format, build and decode parts import without torch; ``MemmapImageDataset``,
 ``BatchLoader``, the samplers and the crops import torch when first used.
 """
 
+from typing import TYPE_CHECKING
+
 from ._version import __version__
 from .build import BuildReport, build_cache, compact_cache, create_lazy_cache
 from .copying import CopyReport, copy_cache
@@ -36,20 +38,25 @@ from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cach
 from .scan import scan_source
 from .verify import BadRecord, RepairReport, VerifyReport, repair_cache, verify_cache
 
+if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type checkers
+    from .dataset import MemmapImageDataset, Records
+    from .loader import BatchLoader
+    from .sampler import QuasiRandomSampler
+    from .transforms import CenterCrop, Compose, RandomHorizontalFlip, RandomResizedCrop
+
 __all__ = [
-    "__version__",
+    "BadImageWarning",
     "BadRecord",
     "BatchLoader",
-    "BadImageWarning",
-    "CenterCrop",
-    "Compose",
     "BuildReport",
-    "CachePlan",
-    "CacheInfo",
     "CacheError",
     "CacheFormatError",
+    "CacheInfo",
     "CacheNotFoundError",
+    "CachePlan",
     "CacheStaleError",
+    "CenterCrop",
+    "Compose",
     "CopyReport",
     "DecodeError",
     "DecodeWorkerError",
@@ -71,16 +78,17 @@ __all__ = [
     "StrictBuildError",
     "VerifyReport",
     "WarmReport",
+    "__version__",
     "build_cache",
+    "cache_info",
+    "check_free_space",
     "compact_cache",
     "copy_cache",
-    "check_free_space",
     "create_lazy_cache",
     "decode_image",
+    "evict_cache",
     "plan_cache",
     "repair_cache",
-    "cache_info",
-    "evict_cache",
     "scan_source",
     "verify_cache",
     "warm_cache",
@@ -98,10 +106,15 @@ _TORCH_PARTS = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # torch takes ~1 s to import; the build CLI and format readers do not need it.
     if name in _TORCH_PARTS:
         import importlib
 
         return getattr(importlib.import_module(f".{_TORCH_PARTS[name]}", __name__), name)
     raise AttributeError(f"module 'mmcache' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, which are not in globals() until first used.
+    return sorted({*globals(), *_TORCH_PARTS})

@@ -17,6 +17,9 @@ import pytest
 
 from mmcache import format as fmt
 
+# The fault tests' fixtures (tests/test_faults_*.py): one session-wide tally for all of them.
+pytest_plugins = ["_faults"]
+
 # Markers of the tests that may skip under CI too: they need hardware CI machines lack (or have).
 # Every other skip (no root for a tmpfs, a filesystem that cannot evict, a missing package) is a
 # failure when $CI is set: a required test that did not run has not passed.

@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import bench  # noqa: E402
 from bench import (  # noqa: E402
     METHODS,
     TRAINING_ROWS,
@@ -19,6 +18,8 @@ from bench import (  # noqa: E402
     run_bench,
     write_report,
 )
+from benchlib import training  # noqa: E402
+from benchlib.training import alternately, run_training_bench  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def test_the_training_table_runs_every_row_and_says_why_ffcv_did_not(
 def test_rows_compared_as_a_ratio_run_in_turns_epoch_by_epoch():
     log = []
     runners = {key: (lambda key=key: log.append(key) or 0.5) for key in ("a", "b")}
-    times = bench._alternately(4, runners)
+    times = alternately(4, runners)
     assert log == ["a", "b", "b", "a", "a", "b", "b", "a"]  # who goes first swaps each round
     assert times == {"a": [0.5] * 4, "b": [0.5] * 4}
 
@@ -209,9 +210,8 @@ def test_the_training_bench_runs_the_thread_loop_and_batch_loader_in_turns(
         turns.append(list(runners))
         return alternately(epochs, runners)
 
-    alternately = bench._alternately
-    monkeypatch.setattr(bench, "_alternately", spy)
-    report = bench.run_training_bench(
+    monkeypatch.setattr(training, "alternately", spy)
+    report = run_training_bench(
         source=small_folder, short_side=40, size=24, batch_size=4, workers=1, epochs=2,
         rows=["decode_crop", "thread_loop", "batch_loader_crop"], workdir=tmp_path,
     )  # fmt: skip

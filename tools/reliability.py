@@ -1,8 +1,9 @@
 """The reliability figures: run the fault-injection suite and print what it counted.
 
-Runs tests/test_faults.py under pytest with MMCACHE_FAULTS_REPORT set, so the suite writes its
-counts (kills survived, full disks, corruptions detected, inputs fuzzed, ...) to a JSON file, and
-prints them with the command that reproduces them. The exit status is pytest's. Usage:
+Runs the fault tests (tests/test_faults_*.py) under pytest with MMCACHE_FAULTS_REPORT set, so
+the suite writes its counts (kills survived, full disks, corruptions detected, inputs fuzzed,
+...) to a JSON file, and prints them with the command that reproduces them. The exit status is
+pytest's. Usage:
 
     python tools/reliability.py            # the quick mode, as CI runs it
     python tools/reliability.py --long     # MMCACHE_FAULTS=long: many more kills and inputs
@@ -38,7 +39,7 @@ def main() -> int:
         if args.seed is not None:
             env["MMCACHE_FAULTS_SEED"] = str(args.seed)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
-        cmd.append("tests/test_faults.py")
+        cmd += sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_faults_*.py"))
         done = subprocess.run(cmd, cwd=REPO, env=env)
         counts = json.loads(report.read_text()) if report.exists() else {}
     seed = counts.pop("seed", None)

@@ -1,0 +1,210 @@
+"""The format's readers refuse malformed files with the error class and words that say what is
+wrong, in tables as numpy's format tests keep them: one row a malformed manifest, index, state
+or paths file, with the error it must raise and a fragment of its message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import reseal
+
+from mmcache import CacheFormatError, CacheNotFoundError
+from mmcache import format as fmt
+
+
+@pytest.fixture
+def cache(pristine, tmp_path) -> Path:
+    """A copy of the fault tests' pristine cache (tests/_faults.py): four records with gaps."""
+    return Path(shutil.copytree(pristine, tmp_path / "cache"))
+
+
+def _manifest(cache: Path) -> dict:
+    return json.loads((cache / fmt.MANIFEST_NAME).read_text())
+
+
+def _write_manifest(cache: Path, m: dict) -> None:
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+
+
+def _set(key: str, value):
+    def edit(m: dict) -> None:
+        m[key] = value
+
+    return edit
+
+
+def _set_file(kind: str, name: str):
+    def edit(m: dict) -> None:
+        m["files"][kind] = name
+
+    return edit
+
+
+# (id, edit of the manifest's JSON, resealed after, error, message fragment)
+MANIFESTS = [
+    ("magic", _set("magic", "npy"), CacheFormatError, "magic is 'npy', expected 'mmcache'"),
+    ("newer major", _set("format_version", [9, 0]), CacheFormatError,
+     "format version 9.0 is not supported"),
+    ("version not a pair", _set("format_version", "2.0"), CacheFormatError,
+     "format_version is '2.0', expected [major, minor]"),
+    ("negative count", _set("count", -1), CacheFormatError, "bad count -1"),
+    ("count not an int", _set("count", 1.5), CacheFormatError, "bad count 1.5"),
+    ("mode", _set("mode", "eager"), CacheFormatError, "unknown mode 'eager'"),
+    ("empty class name", _set("classes", ["a", ""]), CacheFormatError,
+     "classes must be a list of non-empty strings"),
+    ("data file name", _set_file("data", "../data.bin"), CacheFormatError,
+     "is not data-<16 hex digits>.bin"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "fragment"), [m[1:] for m in MANIFESTS], ids=[m[0] for m in MANIFESTS]
+)
+def test_a_malformed_manifest(cache, edit, error, fragment):
+    m = _manifest(cache)
+    edit(m)
+    _write_manifest(cache, m)
+    reseal(cache)  # so that the check aimed at answers, not the checksum
+    with pytest.raises(error, match="manifest.json: .*") as e:
+        fmt.read_manifest(cache)
+    assert fragment in str(e.value)
+
+
+# (id, the manifest file's bytes, error, message fragment): never resealed
+MANIFEST_BYTES = [
+    ("empty", b"", CacheFormatError, "not valid JSON"),
+    ("cut short", b'{"magic": "mmcache", ', CacheFormatError, "not valid JSON"),
+    ("not an object", b"[1, 2]", CacheFormatError, "manifest.json: expected a JSON object"),
+    ("over the size limit", b" " * (fmt.MAX_MANIFEST_BYTES + 1), CacheFormatError,
+     f"larger than {fmt.MAX_MANIFEST_BYTES} bytes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "fragment"),
+    [m[1:] for m in MANIFEST_BYTES],
+    ids=[m[0] for m in MANIFEST_BYTES],
+)
+def test_manifest_bytes_that_are_no_manifest(cache, raw, error, fragment):
+    (cache / fmt.MANIFEST_NAME).write_bytes(raw)
+    with pytest.raises(error) as e:
+        fmt.read_manifest(cache)
+    assert fragment in str(e.value)
+
+
+def test_an_edited_manifest_fails_its_checksum(cache):
+    m = _manifest(cache)
+    m["classes"] = ["b", "a"]  # well-formed, but not what was written
+    _write_manifest(cache, m)
+    with pytest.raises(CacheFormatError, match="checksum mismatch .* edited; rebuild the cache"):
+        fmt.read_manifest(cache)
+
+
+@pytest.mark.parametrize(
+    ("contents", "fragment"),
+    [({}, "an empty folder, not a cache"), ({"notes.txt": b"x"}, "not an mmcache cache")],
+    ids=["empty folder", "a stranger's folder"],
+)
+def test_a_folder_without_a_manifest(tmp_path, contents, fragment):
+    for name, data in contents.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(CacheNotFoundError, match=fragment):
+        fmt.read_manifest(tmp_path)
+
+
+def _set_record(field: str, value, record: int = 0):
+    def edit(index: np.ndarray) -> None:
+        index[field][record] = value
+
+    return edit
+
+
+def _overlap(index: np.ndarray) -> None:
+    index["offset"][1] = index["offset"][0]
+
+
+# (id, edit of the index's records, resealed after, message fragment); all CacheFormatError
+INDEX = [
+    ("height 0", _set_record("height", 0), "record 0: height, width or channels out of range"),
+    ("width too large", _set_record("width", fmt.MAX_SIDE + 1),
+     "height, width or channels out of range"),
+    ("5 channels", _set_record("channels", 5), "height, width or channels out of range"),
+    ("unaligned offset", _set_record("offset", 1),
+     f"record 0: offset not a multiple of {fmt.DATA_ALIGN}"),
+    ("past the data file", _set_record("offset", 1 << 40), "record ends past the data file"),
+    ("overlap", _overlap, "record 1: record overlaps the one before it"),
+    ("label", _set_record("label", 2, record=3), "record 3: label outside 0..1"),
+    ("flags", _set_record("flags", 1), "record 0: reserved flags set"),
+    ("empty path", _set_record("path_length", 0), "path length outside 1..4096 bytes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "fragment"), [i[1:] for i in INDEX], ids=[i[0] for i in INDEX])
+def test_a_malformed_index(cache, edit, fragment):
+    path = cache / _manifest(cache)["files"]["index"]
+    index = np.fromfile(path, dtype=fmt.INDEX_DTYPE)
+    edit(index)
+    index.tofile(path)
+    reseal(cache)
+    with pytest.raises(CacheFormatError, match=f"{path.name}: ") as e:
+        fmt.open_cache(cache)
+    assert fragment in str(e.value)
+
+
+def _cut_one_byte(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def _unsafe_path(path: Path) -> None:
+    blob = path.read_bytes()
+    assert blob.startswith(b"a/img_000.png")
+    path.write_bytes(b"../img_000.pn" + blob[13:])  # the same length: the paths still tile
+
+
+def _state_code(code: int):
+    def edit(path: Path) -> None:
+        state = np.fromfile(path, dtype=fmt.STATE_DTYPE)
+        state["state"][2] = code
+        state.tofile(path)
+
+    return edit
+
+
+# (id, file kind, edit of that file, resealed after, message fragment); all CacheFormatError
+FILES = [
+    ("index cut", "index", _cut_one_byte, "the file is truncated or was not fully written"),
+    ("state cut", "state", _cut_one_byte, "the file is truncated or was not fully written"),
+    ("paths cut", "paths", _cut_one_byte, "the file is truncated or was not fully written"),
+    ("data cut", "data", _cut_one_byte, "the file is truncated or was not fully written"),
+    ("index gone", "index", Path.unlink, "missing (the cache was rebuilt or damaged)"),
+    ("unknown state", "state", _state_code(99), "record 2: unknown record state"),
+    ("empty state in a build", "state", _state_code(fmt.EMPTY), "empty in a built cache"),
+    ("unsafe path", "paths", _unsafe_path, "stored path '../img_000.pn' is unsafe"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "fragment"), [f[1:] for f in FILES], ids=[f[0] for f in FILES]
+)
+def test_a_malformed_file(cache, kind, edit, fragment):
+    path = cache / _manifest(cache)["files"][kind]
+    edit(path)
+    if path.exists():
+        reseal(cache)
+    with pytest.raises(CacheFormatError) as e:
+        fmt.open_cache(cache)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["index", "paths"])
+def test_a_changed_file_fails_its_checksum(cache, kind):
+    path = cache / _manifest(cache)["files"][kind]
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0x01  # a one-bit change that the structure checks could miss
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CacheFormatError, match=f"{path.name}: checksum mismatch"):
+        fmt.open_cache(cache)
