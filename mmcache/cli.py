@@ -761,6 +761,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "pixels", "rgb") != "rgb" and getattr(args, "color", None) == "gray":
+        print(
+            f"mmcache: error: --pixels {args.pixels} stores colour (luma and half-size chroma) "
+            "and --color gray has none: build gray caches without --pixels",
+            file=sys.stderr,
+        )
+        return 2
     try:
         with _notes_shown(args.quiet):
             return args.func(args)

@@ -41,7 +41,7 @@ def compare(src: Path, work: Path, short_side: int | None, crop: int, seed: int)
     caches = {}
     for layout in ("rgb", "yuv420"):
         cache = work / f"{src.name}-{layout}"
-        mmcache.build_cache(src, cache, workers=1, pixels=layout, **opts)
+        mmcache.build_cache(src, cache, workers=0, pixels=layout, **opts)
         caches[layout] = mmcache.MemmapImageDataset(cache, on_stale="ignore")
     rgb, yuv = caches["rgb"], caches["yuv420"]
     names = [Path(p).name for p, _ in rgb.samples]
