@@ -7,8 +7,9 @@ generated photo-like JPEGs (``mmcache.sample_data``) and every image in tests/da
 (real-world files: camera JPEGs, PNGs, gray, CMYK, EXIF-rotated, 16-bit). For each image it
 compares (a) the whole record as ``MemmapImageDataset`` returns it and (b) the output of
 ``BatchLoader`` with RandomResizedCrop and with CenterCrop (the same seed, so the same boxes, on
-both caches). Prints, per set and per kind, the median and worst PSNR (dB, of the 8-bit image)
-and the largest per-pixel difference (levels, 0-255), then the worst images. An image that is
+both caches). Prints each set's cache sizes, then, per set and per kind, the median and worst
+PSNR (dB, of the 8-bit image) and the largest per-pixel difference (levels, 0-255), then the
+worst images. An image that is
 identical in both gives PSNR "inf" (counted as 99 dB in medians).
 """
 
@@ -44,6 +45,7 @@ def compare(src: Path, work: Path, short_side: int | None, crop: int, seed: int)
         mmcache.build_cache(src, cache, workers=0, pixels=layout, **opts)
         caches[layout] = mmcache.MemmapImageDataset(cache, on_stale="ignore")
     rgb, yuv = caches["rgb"], caches["yuv420"]
+    sizes = [sum(ds.manifest.sizes.values()) for ds in (rgb, yuv)]
     names = [Path(p).name for p, _ in rgb.samples]
     rows: dict[str, list[tuple[float, int, str]]] = {"whole record": []}
     for i, name in enumerate(names):
@@ -64,7 +66,7 @@ def compare(src: Path, work: Path, short_side: int | None, crop: int, seed: int)
                 diff = int(np.abs(x.astype(int) - y).max())
                 rows[kind].append((psnr(x, y), diff, names[k]))
                 k += 1
-    return rows
+    return rows, sizes
 
 
 def main() -> int:
@@ -93,8 +95,11 @@ def main() -> int:
         print(f"{'set / kind':<44} {'images':>6} {'median':>7} {'worst':>7} {'max diff':>8}")
         worst_all = []
         for title, src in sets.items():
-            rows = compare(src, work, args.short_side, args.crop, args.seed)
-            print(title)
+            rows, (rgb_bytes, yuv_bytes) = compare(src, work, args.short_side, args.crop, args.seed)
+            print(
+                f"{title}: cache {yuv_bytes:,} bytes against {rgb_bytes:,} "
+                f"({yuv_bytes / rgb_bytes:.3f}x)"
+            )
             for kind, values in rows.items():
                 ps = np.array([v[0] for v in values])
                 print(
