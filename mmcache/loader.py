@@ -756,9 +756,26 @@ def _fill_planar(
     scratch: _Scratch,
 ) -> None:
     """Convert I420 record ``r`` into ``out``, whole, or its ``box`` resized plane by plane
-    to the output size first (so only the output's pixels are converted)."""
+    to the output size first (so only the output's pixels are converted). With ``pread``, a
+    box's rows of each plane are read, not the record."""
+    rows_from = (0, 0)
     if not filled:  # the dataset's own read raises its error (or, lazily, fills it)
         y, cb, cr = job.dataset.planes(r)
+    elif box is not None and not job.mapped:
+        h, w = int(shape[0]), int(shape[1])
+        ch, cw = px.chroma_shape(h, w)
+        ct, _, cbh, _ = px.chroma_box(box)
+        top, bh = box[0], box[2]
+        buf = scratch.take("rows", bh * w + 2 * cbh * cw)
+        y = buf[: bh * w]
+        cb = buf[bh * w : bh * w + cbh * cw]
+        cr = buf[bh * w + cbh * cw :]
+        for part, plane_start, row, width in zip(
+            (y, cb, cr), px.plane_offsets(h, w), (top, ct, ct), (w, cw, cw)
+        ):
+            _pread(job, r, off, part, plane_start + row * width)
+        y, cb, cr = y.reshape(bh, w), cb.reshape(cbh, cw), cr.reshape(cbh, cw)
+        rows_from = (top, ct)
     else:
         n = int(px.record_nbytes(*(int(v) for v in shape), job.pixels))
         if job.mapped:
@@ -775,7 +792,7 @@ def _fill_planar(
     def resize(src: np.ndarray, dst: np.ndarray) -> None:
         resize_into(torch.from_numpy(src), torch.from_numpy(dst), interpolation)
 
-    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.color)
+    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.color, rows_from)
 
 
 def _draw(

@@ -138,6 +138,20 @@ def convert(
     return out
 
 
+def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
+    """Where the Y, Cb and Cr planes start in an I420 record of ``height x width``."""
+    ch, cw = chroma_shape(height, width)
+    return 0, height * width, height * width + ch * cw
+
+
+def chroma_box(box: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The chroma planes' box ``(top, left, height, width)`` that covers the luma ``box``:
+    at half its coordinates, rounded outwards."""
+    top, left, bh, bw = box
+    ct, cl = top // 2, left // 2
+    return ct, cl, -(-(top + bh) // 2) - ct, -(-(left + bw) // 2) - cl
+
+
 def crop_into(
     y: np.ndarray,
     cb: np.ndarray,
@@ -147,24 +161,27 @@ def crop_into(
     resize: Callable[[np.ndarray, np.ndarray], None],
     take: Callable[[str, int], np.ndarray],
     color: str = "rgb",
+    rows_from: tuple[int, int] = (0, 0),
 ) -> None:
     """Resize the box ``(top, left, height, width)`` of I420 planes into the H x W x 3
-    ``out``: each plane's box (the chroma box at half coordinates, rounded outwards) resized
-    to the output size with ``resize(src, dst)`` (H x W x 1 arrays), then one conversion.
+    ``out``: each plane's box (``chroma_box`` for Cb and Cr) resized to the output size with
+    ``resize(src, dst)`` (H x W x 1 arrays), then one conversion.
 
     ``take(name, nbytes)`` gives reusable scratch buffers, so nothing is allocated per crop.
-    The chroma box is exact when ``top``, ``left``, ``height`` and ``width`` are even, and off
-    by up to half a chroma sample otherwise (docs/pixels.md measures the difference).
+    ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
+    the box's rows (read with ``pread``). The chroma box is exact when ``top``, ``left``,
+    ``height`` and ``width`` are even, and off by up to half a chroma sample otherwise
+    (docs/pixels.md gives the difference).
     """
     top, left, bh, bw = box
+    ct, cl, cbh, cbw = chroma_box(box)
+    top, ct = top - rows_from[0], ct - rows_from[1]
     oh, ow = out.shape[:2]
     ycc = take("ycc", oh * ow * 3).reshape(oh, ow, 3)
     plane = take("plane", oh * ow).reshape(oh, ow, 1)
-    ct, cl = top // 2, left // 2
-    cb_, cbw = -(-(top + bh) // 2) - ct, -(-(left + bw) // 2) - cl
     for k, src in ((0, y[top : top + bh, left : left + bw]),
-                   (1, cr[ct : ct + cb_, cl : cl + cbw]),
-                   (2, cb[ct : ct + cb_, cl : cl + cbw])):  # fmt: skip
+                   (1, cr[ct : ct + cbh, cl : cl + cbw]),
+                   (2, cb[ct : ct + cbh, cl : cl + cbw])):  # fmt: skip
         resize(src[..., None], plane)
         ycc[..., k] = plane[..., 0]
     done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)

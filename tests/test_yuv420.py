@@ -283,6 +283,15 @@ def test_the_crop_path_is_within_tolerance_of_cropping_the_converted_record(phot
     assert min(worst) >= 38 and np.median(worst) >= 42, worst  # measured: 41.5, 43.7
 
 
+def test_pread_crops_of_the_box_rows_equal_crops_from_the_mapping(photos):
+    def run(read):
+        loader = BatchLoader(photos, 4, shuffle=True, seed=6, crop=RandomResizedCrop(30),
+                             read=read)  # fmt: skip
+        return [b.clone() for b, _ in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(run("mmap"), run("pread"), strict=True))
+
+
 def test_normalize_channels_last_and_progressive_sizes_on_i420(photos):
     crop = RandomResizedCrop(24)
     plain = BatchLoader(photos, 4, seed=2, crop=crop)
