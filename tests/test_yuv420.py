@@ -305,6 +305,17 @@ def test_normalize_channels_last_and_progressive_sizes_on_i420(photos):
     assert next(iter(plain))[0].shape == (4, 16, 20, 3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_i420_batches_on_cuda_equal_the_cpu_batches_and_planes_convert_there(photos):
+    kw = {"seed": 3, "crop": RandomResizedCrop(24), "flip": True}
+    cpu = [b.clone() for b, _ in BatchLoader(photos, 4, **kw)]
+    gpu = [b.cpu() for b, _ in BatchLoader(photos, 4, device="cuda", **kw)]
+    assert all(torch.equal(a, b) for a, b in zip(cpu, gpu, strict=True))
+    planes = [torch.from_numpy(np.ascontiguousarray(p)).cuda() for p in photos.planes(0)]
+    rgb = mmcache.yuv420_to_rgb(*planes)
+    assert rgb.is_cuda and np.abs(rgb.cpu().numpy().astype(int) - photos[0][0]).max() <= 2
+
+
 def test_the_same_seed_gives_the_same_i420_batches_whatever_the_threads(photos):
     def run(threads):
         loader = BatchLoader(photos, 4, shuffle=True, seed=9, crop=RandomResizedCrop(28),
