@@ -33,6 +33,7 @@ from .errors import (
     StaleCacheWarning,
     StrictBuildError,
 )
+from .pixels import yuv420_to_rgb
 from .plan import CachePlan, check_free_space, plan_cache
 from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
 from .scan import scan_source
@@ -92,6 +93,7 @@ __all__ = [
     "scan_source",
     "verify_cache",
     "warm_cache",
+    "yuv420_to_rgb",
 ]
 
 _TORCH_PARTS = {

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from . import format as fmt
+from . import pixels as px
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
 from .space import disk_full_error
@@ -57,7 +58,7 @@ class RecordFiller:
             int(r["source_mtime_ns"]),
             self.options,
         )
-        if pixels is not None and pixels.shape != self.files.shape(i):
+        if pixels is not None and px.image_shape(pixels) != self.files.shape(i):
             # The header promised another size (a lying header, an orientation the probe read
             # differently): the record's place is fixed, so the file is refused, never cropped.
             code, crc, pixels = fmt.BAD_HEADER_MISMATCH, 0, None

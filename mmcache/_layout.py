@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
+from . import pixels as px
 from ._feedback import ProgressFn
 from .decode import Options
 from .probe import probe_size
@@ -28,11 +29,12 @@ class Layout:
     data_bytes: int
     state: np.ndarray  # fmt codes: EMPTY = to decode, BAD_* = refused before decoding
     pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
+    record_layout: str = "rgb"  # how records store their pixels (Options.pixels)
 
     @property
     def nbytes(self) -> np.ndarray:
-        """Each record's size in the data file, height * width * channels (0 if unknown)."""
-        return np.prod(self.shapes, axis=1)
+        """Each record's size in the data file (0 if unknown)."""
+        return px.record_nbytes(*self.shapes.T, self.record_layout)
 
 
 def plan_layout(listing: Listing, opts: Options) -> Layout:
@@ -89,7 +91,7 @@ def append_layout(
         shapes[added], state[added], pixels[added] = part.shapes, part.state, part.pixels
         offsets[added] = part.offsets + np.uint64(start)
         data_bytes = start + part.data_bytes if part.data_bytes else base
-    return Layout(shapes, offsets, data_bytes, state, pixels)
+    return Layout(shapes, offsets, data_bytes, state, pixels, opts.pixels)
 
 
 def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
@@ -110,5 +112,6 @@ def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
         keys, inverse = np.unique(hw[ok, 0] << 32 | hw[ok, 1], return_inverse=True)
         shaped = np.array([opts.output_shape(int(k >> 32), int(k & 0xFFFFFFFF)) for k in keys])
         shapes[ok] = shaped.reshape(-1, 3)[inverse.reshape(-1)]
-    offsets, data_bytes = fmt.layout_offsets(np.prod(shapes, axis=1))
-    return Layout(shapes, offsets, data_bytes, state, hw[:, 0] * hw[:, 1])
+    layout = Layout(shapes, np.zeros(n, np.uint64), 0, state, hw[:, 0] * hw[:, 1], opts.pixels)
+    layout.offsets, layout.data_bytes = fmt.layout_offsets(layout.nbytes)
+    return layout

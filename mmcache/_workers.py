@@ -29,6 +29,7 @@ import cv2
 import numpy as np
 
 from . import format as fmt
+from . import pixels as px
 from ._feedback import ProgressFn
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
@@ -396,7 +397,7 @@ def _decode_job(
     code, crc, message, pixels = decode_record(path, size, mtime_ns, opts, capture)
     if code != fmt.FILLED:
         return i, code, 0, message, None
-    if pixels.shape != shape:
+    if px.image_shape(pixels) != shape:
         return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
     fmt.write_pixels(fd, pixels, offset)
     return i, fmt.FILLED, crc, message, None

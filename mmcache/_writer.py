@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
+from . import pixels as px
 from ._feedback import ProgressFn, human_bytes
 from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
@@ -683,7 +684,7 @@ def _copy_reused(
             shape = previous.shape(j)
             if shape != tuple(int(v) for v in layout.shapes[i]):
                 continue  # the header now predicts another size: decode it again
-            nbytes = shape[0] * shape[1] * shape[2]
+            nbytes = int(px.record_nbytes(*shape, layout.record_layout))
             fmt.copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
             crcs[i] = previous.state[j]["crc32"]
             state[i] = fmt.FILLED
@@ -708,7 +709,7 @@ def _append_overflow(
         end = fmt.aligned(data_bytes)
         for i in sorted(overflow):
             pixels = overflow[i]
-            layout.shapes[i] = pixels.shape
+            layout.shapes[i] = px.image_shape(pixels)
             offsets[i] = end
             fmt.write_pixels(fd, pixels, end)
             data_bytes = end + pixels.nbytes
@@ -728,7 +729,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         files = fmt.read_cache_files(fmt.read_manifest(folder))
         fmt.remove_stale_generations(folder, files)
         m = files.manifest
-        nbytes = fmt.record_nbytes(files.index)
+        nbytes = fmt.record_nbytes(files.index, m.pixels)
         offsets, data_bytes = fmt.layout_offsets(nbytes)
         gen = fmt.new_generation()
         sizes = {**m.sizes, "data": data_bytes}
@@ -776,7 +777,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
 def _copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) -> int:
     """Copy each FILLED record of ``files`` to its new offset in ``data_path``; bytes copied."""
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
-    nbytes = fmt.record_nbytes(files.index)
+    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
     src = os.open(files.manifest.file("data"), os.O_RDONLY)
     dst = os.open(data_path, os.O_WRONLY)
     try:

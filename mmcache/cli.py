@@ -178,6 +178,13 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
         help=f"refuse larger images without decoding them (default {DEFAULT_MAX_PIXELS:,})",
     )
     g.add_argument(
+        "--pixels",
+        choices=["rgb", "yuv420"],
+        default="rgb",
+        help="record layout: rgb (default) or yuv420 (planar I420, half the bytes; read back "
+        "as RGB, see docs/pixels.md)",
+    )
+    g.add_argument(
         "--reduced-decode",
         action="store_true",
         help="decode JPEGs shrunk 2x or more at 1/2, 1/4 or 1/8 scale: faster, pixels differ "
@@ -194,6 +201,7 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
         "color": args.color,
         "max_pixels": args.max_pixels,
         "reduced_decode": args.reduced_decode,
+        "pixels": args.pixels,
     }
 
 
@@ -364,15 +372,20 @@ def _print_plan(plan, out: Callable[[str], None]) -> None:
     if all(p.name != plan.build.name for p in policies):
         policies = [plan.build, *policies]
     disk = plan.free_bytes is not None
+    asked = plan.build.options.pixels
+    other = [name for name in plan.build.layout_bytes if name != asked]  # none for gray
     out(
-        f"{'policy (' + plan.build.options.color + ')':<20} {'data':>10} {'total':>10} "
-        f"{'in RAM':>7}" + (f" {'fits disk':>9}" if disk else "")
+        f"{'policy (' + plan.build.options.color + ', ' + asked + ')':<20} {'data':>10} "
+        f"{'total':>10} {'in RAM':>7}"
+        + (f" {'fits disk':>9}" if disk else "")
+        + "".join(f" {'data as ' + name:>14}" for name in other)
     )
     for p in policies:
         fits = "" if not disk else " yes" if plan.free_bytes >= p.disk_bytes else " NO"
         out(
             f"{p.name:<20} {human_bytes(p.data_bytes):>10} {human_bytes(p.total_bytes):>10} "
             f"{plan.ram_fraction(p):>7.0%}{fits:>10}"
+            + "".join(f" {human_bytes(p.layout_bytes[name]):>14}" for name in other)
             + ("  <- this build" if p.name == plan.build.name else "")
         )
     out("")
@@ -395,6 +408,13 @@ def _print_plan(plan, out: Callable[[str], None]) -> None:
         f"memory       {human_bytes(plan.ram_total)} RAM, {human_bytes(plan.ram_available)} "
         f"available: {plan.ram_fraction():.0%} of this build's pixels fit in the page cache"
     )
+
+
+def _layout_words(layout: str) -> str:
+    """How ``info`` names a record layout."""
+    if layout == "yuv420":
+        return "yuv420 (planar I420, BT.601 full range; read back as RGB)"
+    return f"{layout} (H x W x C)"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -559,6 +579,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"cache:      {_one_line(info.cache)}",
         f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
         f"generation {info.generation}",
+        f"pixels:     {_layout_words(info.options.get('pixels', 'rgb'))}",
         f"images:     {info.images:,} ({info.filled:,} filled), "
         f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped",
         f"sizes:      {sizes}",
@@ -796,6 +817,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "pixels", "rgb") != "rgb" and getattr(args, "color", None) == "gray":
+        print(
+            f"mmcache: error: --pixels {args.pixels} stores colour (luma and half-size chroma) "
+            "and --color gray has none: build gray caches without --pixels",
+            file=sys.stderr,
+        )
+        return 2
     try:
         with _notes_shown(args.quiet):
             status = args.func(args)

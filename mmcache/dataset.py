@@ -31,6 +31,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from . import format as fmt
+from . import pixels as px
 from ._filler import RecordFiller
 from .build import build_cache, create_lazy_cache
 from .decode import Options, undecodable_reason
@@ -66,7 +67,8 @@ class Records:
     Attributes:
         offsets: each record's offset in the data file (int64).
         shapes: each record's ``(height, width, channels)``, an (N, 3) int64 array.
-        nbytes: each record's size in the data file, height * width * channels (int64).
+        nbytes: each record's size in the data file (int64): height * width * channels in an
+            RGB cache (``mmcache.pixels.record_nbytes`` gives the other layouts').
         labels: each record's label (int64).
     """
 
@@ -81,7 +83,9 @@ class MemmapImageDataset(Dataset):
 
     ``ds[i]`` is ``(image, label)``: ``image`` an H x W x C uint8 numpy array (C = 3, RGB unless
     the cache was built with ``color="bgr"``; C = 1 for ``"gray"``), exactly the pixels the build
-    stored, passed through ``transform``; ``label`` an int, through ``target_transform``.
+    stored, passed through ``transform``; ``label`` an int, through ``target_transform``. A cache
+    built with ``pixels="yuv420"`` stores planar I420: each image is converted back to RGB (BGR)
+    as it is read, and ``planes(i)`` gives the stored planes instead (``docs/pixels.md``).
 
     Lazy mode: given ``source`` (and the build's preprocessing options), a missing cache is
     created at once without decoding, and each record is decoded and stored the first time any
@@ -222,7 +226,7 @@ class MemmapImageDataset(Dataset):
         self._records = Records(
             offsets=index["offset"].astype(np.int64),
             shapes=fmt.record_shapes(index),
-            nbytes=fmt.record_nbytes(index),
+            nbytes=fmt.record_nbytes(index, files.manifest.pixels),
             labels=index["label"].astype(np.int64),
         )
         # The arrays __getitem__ indexes, without an attribute lookup each.
@@ -351,7 +355,8 @@ class MemmapImageDataset(Dataset):
                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
         if exact:
             pages.madvise(mmap.MADV_RANDOM)
-        return np.frombuffer(pages, np.uint8, n, off - start).reshape(self._shapes[i])
+        flat = np.frombuffer(pages, np.uint8, n, off - start)
+        return px.stored_view(flat, self._shapes[i], self._files.manifest.pixels)
 
     def _reads_exactly(self) -> bool:
         """Whether a record's pages are read exactly, because the data file does not fit in
@@ -426,16 +431,37 @@ class MemmapImageDataset(Dataset):
         return f"{path}: {reason}"
 
     def read(self, i: int) -> np.ndarray:
-        """The stored pixels of record ``i`` (no transform), an H x W x C writable array.
+        """The image of record ``i`` (no transform), an H x W x C writable array: the stored
+        pixels themselves (an I420 record converted).
 
         Raises:
             DecodeError: the record's file could not be cached.
         """
+        return self._image(self._stored(i))
+
+    def planes(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The stored (Y, Cb, Cr) planes of record ``i`` of a ``pixels="yuv420"`` cache:
+        H x W and twice ceil(H/2) x ceil(W/2) uint8 views of the record, nothing converted (for
+        ``mmcache.yuv420_to_rgb``, on the GPU say).
+
+        Raises:
+            ValueError: the cache stores RGB records.
+            DecodeError: the record's file could not be cached.
+        """
+        if self.manifest.pixels == "rgb":
+            raise ValueError(f"{self.cache}: stores RGB records, not planes; read(i) gives them")
+        return px.planes(self._stored(i))
+
+    def _stored(self, i: int) -> np.ndarray:
+        """Record ``i`` as stored: H x W x C, or an I420 record (``mmcache.pixels``)."""
         i = self._checked(i)
         pixels = self._pixels(i)
         if pixels is None:
             raise DecodeError(f"{self._bad(i)}; it is not in the cache")
         return pixels
+
+    def _image(self, stored: np.ndarray) -> np.ndarray:
+        return px.to_image(stored, self._files.manifest.options.get("color", "rgb"))
 
     def _substitute(self, i: int) -> tuple[int, np.ndarray]:
         """The next good record after bad record ``i``, wrapping around."""
@@ -463,6 +489,7 @@ class MemmapImageDataset(Dataset):
                     f"{self._bad(i)}; pass on_bad='substitute' to read the next image instead"
                 )
             i, img = self._substitute(i)
+        img = self._image(img)
         target = int(self._labels[i])
         if self.transform is not None:
             img = self.transform(img)

@@ -31,6 +31,7 @@ import cv2
 import numpy as np
 
 from . import format as fmt
+from . import pixels as px
 from .errors import DecodeError
 from .probe import probe_size, sniff_format
 
@@ -62,6 +63,10 @@ class Options:
     resized to the same output size. Faster to decode, but the pixels differ from the full decode
     shrunk with INTER_AREA (docs/bench.md gives both, measured with ``tools/decoders.py``), so it
     is recorded in the options and the cache's fingerprint.
+
+    ``pixels``: the record layout (``mmcache.pixels``): ``"rgb"`` (H x W x C) or ``"yuv420"``
+    (planar I420, BT.601 full range, half the bytes of RGB; readers still return RGB, or BGR
+    for ``color="bgr"``). ``"yuv420"`` needs colour: ``color="gray"`` is refused with it.
     """
 
     size: tuple[int, int] | None = None
@@ -71,6 +76,7 @@ class Options:
     color: str = "rgb"
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     reduced_decode: bool = False
+    pixels: str = "rgb"
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -93,6 +99,12 @@ class Options:
             )
         if self.color not in COLORS:
             raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
+        px.check_layout(self.pixels)
+        if self.pixels != "rgb" and self.color == "gray":
+            raise ValueError(
+                f"pixels={self.pixels!r} stores colour (luma and half-size chroma) and "
+                "color='gray' has none: build gray caches with the default pixels='rgb'"
+            )
 
     @property
     def channels(self) -> int:
@@ -103,6 +115,8 @@ class Options:
         d["size"] = list(self.size) if self.size else None
         if not self.reduced_decode:
             del d["reduced_decode"]  # caches made before the option existed keep their fingerprint
+        if self.pixels == "rgb":
+            del d["pixels"]  # likewise, and 2.x readers (which know no layouts) read it as ever
         return d
 
     @classmethod
@@ -127,6 +141,8 @@ class Options:
                 words.append(f"--{name.replace('_', '-')} {shown}")
         if self.reduced_decode:
             words.append("--reduced-decode")
+        if self.pixels != "rgb":
+            words.append(f"--pixels {self.pixels}")
         return " ".join(words)
 
     def describe(self) -> str:
@@ -161,7 +177,8 @@ def parse_size(text: str) -> tuple[int, int]:
 def preprocess(
     img: np.ndarray, options: Options, native: tuple[int, int] | None = None
 ) -> np.ndarray:
-    """Resize and convert a ``cv2.imread`` result as ``options`` say; returns H x W x C uint8.
+    """Resize and convert a ``cv2.imread`` result as ``options`` say: the record, H x W x C
+    uint8 (or, for ``pixels="yuv420"``, the planar record of ``mmcache.pixels``).
 
     ``native``: the image's full (height, width) when ``img`` was decoded at reduced scale.
     """
@@ -172,6 +189,8 @@ def preprocess(
         if interp == "auto":
             interp = "area" if oh <= h and ow <= w else "linear"
         img = cv2.resize(img, (ow, oh), interpolation=INTERPOLATIONS[interp])
+    if options.pixels != "rgb":
+        return px.from_bgr(img, options.pixels)  # last, from imread's BGR
     if options.color == "rgb":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return img.reshape(oh, ow, options.channels)
@@ -357,7 +376,7 @@ def decode_record(
         return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
     if native[0] * native[1] > opts.max_pixels:
         return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
-    pixels = np.ascontiguousarray(preprocess(img, opts, native))
+    pixels = np.require(preprocess(img, opts, native), requirements="C")  # keeps a 0-d record
     if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
     return fmt.FILLED, zlib.crc32(pixels), message, pixels

@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the only code that reads or writes its files.
 
-Format version 2.0
+Format version 3.0
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -17,7 +17,10 @@ A cache is one folder; move or copy it as a unit. Its files:
       SHOULD read a newer minor of a known major (minors only add keys). This is 2.0. Versions 1.0
       and 1.1 are still read (1.0 lacked ``"checksums"``); 2.0 differs from them only in that a
       generation may share the data file of an earlier one (below), which a 1.x reader would
-      misread, hence the new major.
+      misread, hence the new major. 3.0 differs from 2.0 only in that records may be stored in
+      another pixel layout than RGB (``options["pixels"]``, below), which a 2.x reader would
+      misread: writers write 3.0 for a cache whose layout is not ``"rgb"`` and 2.0 for an RGB
+      cache, which 2.x readers read as ever.
     - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
       maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
       to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
@@ -30,7 +33,8 @@ A cache is one folder; move or copy it as a unit. Its files:
       filled on first read, see ``state``).
     - ``"source"``: ``{"root", "kind"}`` with kind ``"folder"`` or ``"list"`` (and ``"list_file"``).
     - ``"options"``: the preprocessing, as ``Options.to_json``; ``"classes"``: class names, index
-      = label.
+      = label. ``options["pixels"]`` names the record layout (``mmcache.pixels``): absent or
+      ``"rgb"``, or ``"yuv420"`` (3.x only). A reader MUST refuse a layout it does not know.
     - ``"skipped"`` / ``"warnings"``: lists of ``{"path", "reason"}`` for files left out / files
       whose decoder complained but produced an image.
     - ``"fingerprints"``: ``{"listing", "options", "decoder"}``, hex SHA-256 digests; ``"decoder"``
@@ -67,7 +71,11 @@ A cache is one folder; move or copy it as a unit. Its files:
 
 ``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
-    H x W x C. Records do not overlap; they need not be in index order. A record covers its
+    H x W x C, in layout ``"rgb"``. In layout ``"yuv420"`` (channels 3) it is
+    ``height * width + 2 * ceil(height / 2) * ceil(width / 2)`` bytes: planar I420, the Y plane
+    (height x width), then Cb, then Cr (each ceil(height / 2) x ceil(width / 2)), BT.601 full
+    range as JFIF; ``mmcache.pixels`` states the chroma and odd-size rules. Records do not
+    overlap; they need not be in index order. A record covers its
     pixels and the padding after them up to the next multiple of ``DATA_ALIGN`` (or to
     ``sizes["data"]``, whichever comes first); bytes that no record of this generation covers
     are garbage (records of earlier generations), and gaps read as zero. A first build or a
@@ -98,7 +106,7 @@ Given this text, plain numpy reads a cache::
     data = np.memmap("cache/" + m["files"]["data"], dtype=np.uint8, mode="r")
     r = index[i]
     img = data[r["offset"]:r["offset"] + r["height"] * r["width"] * r["channels"]]
-    img = img.reshape(r["height"], r["width"], r["channels"])
+    img = img.reshape(r["height"], r["width"], r["channels"])  # an "rgb" cache's record i
 """
 
 from __future__ import annotations
@@ -119,6 +127,7 @@ from typing import Any
 
 import numpy as np
 
+from . import pixels as px
 from .errors import (
     CacheError,
     CacheFormatError,
@@ -130,9 +139,13 @@ from .errors import (
 logger = logging.getLogger(__name__)
 
 MAGIC = "mmcache"
-FORMAT_VERSION = (2, 0)
-# Majors this reader reads: 1.x is 2.0 without shared data files.
-READS_MAJORS = (1, 2)
+FORMAT_VERSION = (3, 0)
+# What RGB caches are written as: 3.0 adds only the other layouts, and 2.x readers read 2.0.
+RGB_FORMAT_VERSION = (2, 0)
+# Majors this reader reads: 1.x is 2.0 without shared data files, 2.x is 3.0 in RGB only.
+READS_MAJORS = (1, 2, 3)
+# The first version whose records may be stored in another layout than RGB.
+LAYOUTS_SINCE = (3, 0)
 # The first version whose manifests MUST carry "checksums".
 CHECKSUMS_SINCE = (1, 1)
 MANIFEST_NAME = "manifest.json"
@@ -210,13 +223,20 @@ def record_shapes(index: np.ndarray) -> np.ndarray:
     return np.stack([index["height"], index["width"], index["channels"]], 1).astype(np.int64)
 
 
-def record_nbytes(index: np.ndarray) -> np.ndarray:
-    """int64 array of every record's size in the data file: height * width * channels."""
-    return (
-        index["height"].astype(np.int64)
-        * index["width"].astype(np.int64)
-        * index["channels"].astype(np.int64)
+def record_nbytes(index: np.ndarray, layout: str) -> np.ndarray:
+    """int64 array of every record's size in the data file, stored in ``layout`` (a
+    manifest's ``pixels``): height * width * channels for RGB."""
+    return px.record_nbytes(
+        index["height"].astype(np.int64),
+        index["width"].astype(np.int64),
+        index["channels"].astype(np.int64),
+        layout,
     )
+
+
+def version_for(layout: str) -> tuple[int, int]:
+    """The format version a cache of records in ``layout`` is written as (see the spec)."""
+    return RGB_FORMAT_VERSION if layout == "rgb" else FORMAT_VERSION
 
 
 def new_generation() -> str:
@@ -287,6 +307,11 @@ class Manifest:
         return self.path / file_name(kind, gen)
 
     @property
+    def pixels(self) -> str:
+        """The record layout, ``"rgb"`` or ``"yuv420"`` (``mmcache.pixels``)."""
+        return self.options.get("pixels", "rgb")
+
+    @property
     def shares_data(self) -> bool:
         """Whether this generation's records lie in the data file of an earlier generation."""
         return self.data_generation != self.generation
@@ -295,7 +320,7 @@ class Manifest:
         """The manifest's JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
         return {
             "magic": MAGIC,
-            "format_version": list(FORMAT_VERSION),
+            "format_version": list(version_for(self.pixels)),
             "generation": self.generation,
             "files": {kind: self.file(kind).name for kind in FILE_KINDS},
             "sizes": self.sizes,
@@ -443,6 +468,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     for key in ("source", "options", "fingerprints", "decoder"):
         _expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
     _check_source(m["source"], mpath)
+    _check_layout(m["options"], tuple(version), mpath)
     for key in ("skipped", "warnings"):
         entries = m.get(key)
         _expect(
@@ -543,6 +569,23 @@ def _check_source(source: dict[str, Any], mpath: Path) -> None:
         )
 
 
+def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path) -> None:
+    """The record layout is one this reader knows, and one the declared version allows."""
+    layout = options.get("pixels", "rgb")
+    _expect(
+        layout in px.LAYOUTS,
+        mpath,
+        f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
+        f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",
+    )
+    _expect(
+        layout == "rgb" or version >= LAYOUTS_SINCE,
+        mpath,
+        f"format version {version[0]}.{version[1]} cannot hold {layout!r} records (only "
+        f"{LAYOUTS_SINCE[0]}.x can): the manifest was damaged or edited; rebuild the cache",
+    )
+
+
 def _is_entry(e: Any) -> bool:
     """A skipped/warnings entry: {path, reason} strings, optional int64 size/mtime_ns/state."""
     return (
@@ -575,6 +618,7 @@ def write_manifest(manifest: Manifest) -> None:
             os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
         raise
     manifest.checksums = m["checksums"]
+    manifest.format_version = version_for(manifest.pixels)
     fsync_dir(folder)
 
 
@@ -673,7 +717,13 @@ def validate_records(
     c = index["channels"].astype(np.int64)
     bad = (h < 1) | (h > MAX_SIDE) | (w < 1) | (w > MAX_SIDE) | (c < 1) | (c > MAX_CHANNELS)
     _first_bad(bad, where, "height, width or channels out of range")
-    nbytes = record_nbytes(index).astype(np.uint64)  # <= 2**42 within the bounds: exact
+    layout = manifest.pixels
+    _first_bad(
+        (c != 3) if layout != "rgb" else np.zeros(n, bool),
+        where,
+        f"channels is not 3 in a {layout} cache",
+    )
+    nbytes = record_nbytes(index, layout).astype(np.uint64)  # <= 2**42 within the bounds: exact
     off = index["offset"]
     _first_bad(off % DATA_ALIGN != 0, where, f"offset not a multiple of {DATA_ALIGN}")
     # Exact unsigned arithmetic (float64 would round offsets above 2**53): off + n <= size.
@@ -1053,4 +1103,5 @@ def garbage_bytes(files: CacheFiles) -> int:
     replaced or removed); 0 after a first build or a compaction."""
     size = files.manifest.sizes["data"]
     index = files.index
-    return max(0, size - live_bytes(index["offset"], record_nbytes(index), size))
+    nbytes = record_nbytes(index, files.manifest.pixels)
+    return max(0, size - live_bytes(index["offset"], nbytes, size))

@@ -39,6 +39,7 @@ import cv2
 import numpy as np
 import torch
 
+from . import pixels as px
 from ._feedback import count
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError
@@ -520,6 +521,8 @@ class _Iteration:
             size=loader.crop.size if loader.crop is not None else None,
             flip=loader.flip,
             draws=(seed, loader.epoch, loader._rank()),
+            pixels=ds.manifest.pixels,
+            color=ds.manifest.options.get("color", "rgb"),
         )
         self._threads = [
             threading.Thread(
@@ -675,6 +678,8 @@ class _Scratch:
     def __init__(self) -> None:
         self.rows = np.empty(0, np.uint8)
         self.numbers = np.empty(0, np.uint8)
+        self.ycc = np.empty(0, np.uint8)  # I420 crops: the planes resized, then converted
+        self.plane = np.empty(0, np.uint8)
 
     def take(self, name: str, nbytes: int) -> np.ndarray:
         buf = getattr(self, name)
@@ -722,7 +727,10 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
         if shared.stop:
             return None
         r = int(idx[j])
-        if boxes is None:
+        if job.pixels != "rgb":
+            box = None if boxes is None else boxes[j]
+            _fill_planar(job, r, off, shapes[j], box, images[j], filled[j], scratch)
+        elif boxes is None:
             if not filled[j]:  # the dataset's own read raises its error (or, lazily, fills it)
                 flat[j] = ds.read(r).reshape(-1)
             elif mapped:
@@ -736,6 +744,56 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
         if flips is not None and flips[j]:
             cv2.flip(images[j], 1, dst=images[j])
     return n
+
+
+def _fill_planar(
+    job: _Job,
+    r: int,
+    off: int,
+    shape: np.ndarray,
+    box: list[int] | None,
+    out: np.ndarray,
+    filled: bool,
+    scratch: _Scratch,
+) -> None:
+    """Convert I420 record ``r`` into ``out``, whole, or its ``box`` resized plane by plane
+    to the output size first (so only the output's pixels are converted). With ``pread``, a
+    box's rows of each plane are read, not the record."""
+    rows_from = (0, 0)
+    if not filled:  # the dataset's own read raises its error (or, lazily, fills it)
+        y, cb, cr = job.dataset.planes(r)
+    elif box is not None and not job.mapped:
+        h, w = int(shape[0]), int(shape[1])
+        ch, cw = px.chroma_shape(h, w)
+        ct, _, cbh, _ = px.chroma_box(box)
+        top, bh = box[0], box[2]
+        buf = scratch.take("rows", bh * w + 2 * cbh * cw)
+        y = buf[: bh * w]
+        cb = buf[bh * w : bh * w + cbh * cw]
+        cr = buf[bh * w + cbh * cw :]
+        for part, plane_start, row, width in zip(
+            (y, cb, cr), px.plane_offsets(h, w), (top, ct, ct), (w, cw, cw)
+        ):
+            _pread(job, r, off, part, plane_start + row * width)
+        y, cb, cr = y.reshape(bh, w), cb.reshape(cbh, cw), cr.reshape(cbh, cw)
+        rows_from = (top, ct)
+    else:
+        n = int(px.record_nbytes(*(int(v) for v in shape), job.pixels))
+        if job.mapped:
+            flat = job.data[off : off + n].numpy()
+        else:
+            flat = scratch.take("rows", n)
+            _pread(job, r, off, flat)
+        y, cb, cr = px.planes(px.stored_view(flat, shape, job.pixels))
+    if box is None:
+        px.convert(y, cb, cr, job.color, out)
+        return
+    interpolation = job.crop.interpolation
+
+    def resize(src: np.ndarray, dst: np.ndarray) -> None:
+        resize_into(torch.from_numpy(src), torch.from_numpy(dst), interpolation)
+
+    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.color, rows_from)
 
 
 def _draw(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 
 from . import format as fmt
+from . import pixels as px
 from ._feedback import ProgressFn
 from ._layout import layout_from_sizes, probe_sizes
 from .decode import Options
@@ -83,6 +84,8 @@ class PolicyPlan:
     options: Options
     images: int
     sizes: dict[str, int]  # exact bytes of the index, state, paths and data files
+    # The data file's bytes under each record layout the options' color allows (gray: RGB only).
+    layout_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -187,9 +190,14 @@ def plan_cache(
     def policy(o: Options) -> PolicyPlan:
         layout = layout_from_sizes(hw, o)
         kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
-        return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes))
+        layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
+        by_layout = {
+            name: fmt.layout_offsets(px.record_nbytes(*layout.shapes.T, name))[1]
+            for name in layouts
+        }
+        return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes), by_layout)
 
-    base = {"color": opts.color, "max_pixels": opts.max_pixels}
+    base = {"color": opts.color, "max_pixels": opts.max_pixels, "pixels": opts.pixels}
     policies = [policy(Options(**base, **p)) for p in COMMON_POLICIES]
     same = [p for p in policies if _same_shapes(p.options, opts)]
     build = replace(same[0], options=opts) if same else policy(opts)
@@ -219,12 +227,13 @@ def plan_cache(
 
 def _same_shapes(a: Options, b: Options) -> bool:
     """Whether two options store every image at the same shape (interpolation aside)."""
-    return (a.size, a.max_side, a.short_side, a.color, a.max_pixels) == (
+    return (a.size, a.max_side, a.short_side, a.color, a.max_pixels, a.pixels) == (
         b.size,
         b.max_side,
         b.short_side,
         b.color,
         b.max_pixels,
+        b.pixels,
     )
 
 

@@ -27,7 +27,7 @@ def files_of(cache):
 
 def pixels_of(files):
     data = files.manifest.file("data").read_bytes()
-    nbytes = fmt.record_nbytes(files.index)
+    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
     return {
         files.path(i): data[int(o) : int(o) + int(n)]
         for i, (o, n) in enumerate(zip(files.index["offset"], nbytes))
@@ -75,7 +75,8 @@ def test_padding_between_records_is_not_garbage(src, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "wrote" in out and "garbage" not in out  # a first build says nothing of garbage
     files = files_of(cache)
-    assert files.manifest.sizes["data"] > int(fmt.record_nbytes(files.index).sum())  # padding
+    pixels = int(fmt.record_nbytes(files.index, files.manifest.pixels).sum())
+    assert files.manifest.sizes["data"] > pixels  # padding
     assert fmt.garbage_bytes(files) == 0
     assert main(["info", str(cache)]) == 0
     assert "0 B of the data file (0.0%) is garbage" in capsys.readouterr().out
@@ -118,7 +119,7 @@ def test_garbage_never_passes_the_threshold_over_many_refreshes(tmp_path, compac
         appended += report.appended
         compacted += not report.appended
         files = files_of(cache)
-        live = int(fmt.record_nbytes(files.index).sum())
+        live = int(fmt.record_nbytes(files.index, files.manifest.pixels).sum())
         # at most compact_at of the file is garbage (and less than a record of alignment)
         assert files.manifest.sizes["data"] <= live / (1 - compact_at) + 64 * len(files.index)
         assert files.manifest.sizes["data"] <= 1.35 * live  # the refresh target
@@ -191,7 +192,7 @@ def test_a_cache_of_format_1_1_is_read_and_refreshed_into_2_0(tmp_path):
     report = build_cache(src, old, workers=0)
     assert report.appended and (report.decoded, report.reused) == (0, 4)
     new = fmt.read_manifest(old)
-    assert new.format_version == fmt.FORMAT_VERSION and new.shares_data
+    assert new.format_version == fmt.RGB_FORMAT_VERSION and new.shares_data
     assert new.file("data") == m.file("data")  # the 1.1 data file, kept
     assert_serves_the_source(old, src)
     assert not any(n.startswith(("index-" + m.generation, "state-")) and m.generation in n

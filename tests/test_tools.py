@@ -29,6 +29,8 @@ SMOKE = [
     ("loader_bench.py", ["--images", "8", "--size", "64x48", "--batch-size", "4",
                          "--workers", "0", "--epochs", "2"], "BatchLoader / copy loop"),
     ("verify_cost.py", ["--images", "8", "--size", "64x48", "--repeat", "1"], "mmcache verify"),
+    ("yuv_closeness.py", ["--photos", "2", "--photo-size", "64x48", "--short-side", "32",
+                          "--crop", "16", "--worst", "2"], "reproduce:"),
 ]  # fmt: skip
 
 

@@ -99,7 +99,8 @@ def generation(cache: Path) -> dict:
     return {
         "data": m.file("data").name,
         "data_size": os.stat(m.file("data")).st_size,
-        "live": int(fmt.record_nbytes(files.index).sum()),  # pixels: padding left out
+        # pixels: padding left out
+        "live": int(fmt.record_nbytes(files.index, m.pixels).sum()),
         "files": [os.stat(m.file(k)).st_size for k in ("index", "state", "paths")]
         + [os.stat(cache / fmt.MANIFEST_NAME).st_size],
         "count": m.count,

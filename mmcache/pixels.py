@@ -1,0 +1,231 @@
+"""Record pixel layouts: RGB or planar YUV 4:2:0 records, their byte sizes and conversions.
+
+``"rgb"`` (the default): a record is H x W x C uint8, row-major, in the cache's colour order.
+
+``"yuv420"``: a record is planar I420, JPEG's own colour space: the Y plane (H x W), then the
+Cb plane, then the Cr plane (each ceil(H/2) x ceil(W/2)), ``H*W + 2*ceil(H/2)*ceil(W/2)``
+bytes, about half of RGB. The colour matrix and range are JFIF's: BT.601 full range (OpenCV's
+``COLOR_BGR2YCrCb`` / ``COLOR_YCrCb2RGB``; not its ``*_I420`` conversions, which use the
+limited "video" range). Each chroma sample is the rounded mean of a 2 x 2 block of full
+resolution chroma (``cv2.resize`` with ``INTER_AREA`` to exactly half); an odd height or width
+first repeats its last row or column (``BORDER_REPLICATE``), so the last chroma sample covers
+one row or column twice. Reading back, chroma is upsampled with ``INTER_LINEAR`` (weights 3/4
+and 1/4 between neighbours: libjpeg's "fancy" triangular upsampling) to the even size, cut to
+H x W, and converted. In memory an I420 record is a 0-d array of a structured dtype
+(``planar_dtype``) whose fields ``y``, ``cb`` and ``cr`` are the planes: its bytes are the
+record's, and its dtype carries the image's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import cv2
+import numpy as np
+
+LAYOUTS = ("rgb", "yuv420")
+# What each layout's records convert to, for a cache of each colour order.
+_TO_COLOR = {"rgb": cv2.COLOR_YCrCb2RGB, "bgr": cv2.COLOR_YCrCb2BGR}
+# BT.601 full range (JFIF): R = Y + 1.402 Cr', G = Y - 0.344136 Cb' - 0.714136 Cr',
+# B = Y + 1.772 Cb', where Cb' = Cb - 128 and Cr' = Cr - 128.
+_FROM_YCC = ((1.0, 0.0, 1.402), (1.0, -0.344136, -0.714136), (1.0, 1.772, 0.0))
+
+
+def check_layout(layout: str) -> str:
+    """``layout`` if it is one of ``LAYOUTS``; ValueError otherwise."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"pixels must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def chroma_shape(height: int, width: int) -> tuple[int, int]:
+    """The (height, width) of each chroma plane of an I420 record of ``height x width``."""
+    return (height + 1) // 2, (width + 1) // 2
+
+
+def record_nbytes(height: Any, width: Any, channels: Any, layout: str) -> Any:
+    """Bytes of a record of ``height x width x channels`` stored as ``layout`` (works on
+    ints and on int64 arrays alike): the one place a record's size is defined."""
+    if layout == "rgb":
+        return height * width * channels
+    if layout == "yuv420":
+        return height * width + 2 * ((height + 1) // 2) * ((width + 1) // 2)
+    raise ValueError(f"unknown pixel layout {layout!r}")
+
+
+def planar_dtype(height: int, width: int) -> np.dtype:
+    """The structured dtype of one I420 record: fields ``y``, ``cb``, ``cr`` (the planes)."""
+    ch, cw = chroma_shape(height, width)
+    return np.dtype([("y", np.uint8, (height, width)), ("cb", np.uint8, (ch, cw)),
+                     ("cr", np.uint8, (ch, cw))])  # fmt: skip
+
+
+def image_shape(record: np.ndarray) -> tuple[int, ...]:
+    """The (H, W, C) of the image a stored record holds, whatever its layout."""
+    if record.dtype.names:
+        return (*record.dtype["y"].shape, 3)
+    return record.shape
+
+
+def stored_view(flat: np.ndarray, shape: Any, layout: str) -> np.ndarray:
+    """The record whose ``record_nbytes`` bytes are the uint8 array ``flat``, as its layout
+    holds it (no copy): H x W x C for ``"rgb"``, a 0-d planar array for ``"yuv420"``."""
+    h, w, c = (int(v) for v in shape)
+    if layout == "rgb":
+        return flat.reshape(h, w, c)
+    return flat.view(planar_dtype(h, w)).reshape(())
+
+
+def planes(record: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (Y, Cb, Cr) plane views of an I420 record."""
+    return record["y"], record["cb"], record["cr"]
+
+
+def from_bgr(img: np.ndarray, layout: str) -> np.ndarray:
+    """The I420 record of a ``cv2.imread`` (BGR) image, H x W x 3 uint8, for ``"yuv420"``."""
+    if layout != "yuv420":
+        raise ValueError(f"from_bgr makes yuv420 records, not {layout!r}")
+    h, w = img.shape[:2]
+    ch, cw = chroma_shape(h, w)
+    ycc = cv2.cvtColor(img, cv2.COLOR_BGR2YCrCb)
+    record = np.empty((), planar_dtype(h, w))
+    cv2.extractChannel(ycc, 0, dst=record["y"])
+    if (2 * ch, 2 * cw) != (h, w):
+        ycc = cv2.copyMakeBorder(ycc, 0, 2 * ch - h, 0, 2 * cw - w, cv2.BORDER_REPLICATE)
+    # INTER_AREA to exactly half is the rounded mean of each 2 x 2 block.
+    half = cv2.resize(ycc, (cw, ch), interpolation=cv2.INTER_AREA)
+    cv2.extractChannel(half, 2, dst=record["cb"])
+    cv2.extractChannel(half, 1, dst=record["cr"])
+    return record
+
+
+def to_image(record: np.ndarray, color: str = "rgb", out: np.ndarray | None = None) -> np.ndarray:
+    """The H x W x 3 image of a stored record: an I420 record converted (into ``out`` if
+    given), an RGB record as it is. ``color``: the cache's colour order (rgb or bgr)."""
+    if not record.dtype.names:
+        if out is None:
+            return record
+        out[...] = record
+        return out
+    return convert(*planes(record), color, out)
+
+
+def convert(
+    y: np.ndarray,
+    cb: np.ndarray,
+    cr: np.ndarray,
+    color: str = "rgb",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The H x W x 3 image (RGB, or BGR for ``color="bgr"``) of I420 planes, into ``out``
+    if given."""
+    h, w = y.shape
+    ch, cw = cb.shape
+    if (ch, cw) != chroma_shape(h, w):
+        raise ValueError(f"chroma planes of {ch}x{cw} do not fit a {h}x{w} luma plane")
+    ycc = np.empty((h, w, 3), np.uint8)
+    ycc[..., 0] = y
+    for k, plane in ((1, cr), (2, cb)):
+        # to the even size, then cut: an odd size's last chroma sample covers one pixel
+        full = cv2.resize(plane, (2 * cw, 2 * ch), interpolation=cv2.INTER_LINEAR)
+        ycc[..., k] = full[:h, :w]
+    if out is None:
+        return cv2.cvtColor(ycc, _TO_COLOR[color])
+    done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
+    if done.ctypes.data != out.ctypes.data:  # cv2 made its own array: out was not usable
+        out[...] = done
+    return out
+
+
+def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
+    """Where the Y, Cb and Cr planes start in an I420 record of ``height x width``."""
+    ch, cw = chroma_shape(height, width)
+    return 0, height * width, height * width + ch * cw
+
+
+def chroma_box(box: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The chroma planes' box ``(top, left, height, width)`` that covers the luma ``box``:
+    at half its coordinates, rounded outwards."""
+    top, left, bh, bw = box
+    ct, cl = top // 2, left // 2
+    return ct, cl, -(-(top + bh) // 2) - ct, -(-(left + bw) // 2) - cl
+
+
+def crop_into(
+    y: np.ndarray,
+    cb: np.ndarray,
+    cr: np.ndarray,
+    box: tuple[int, int, int, int],
+    out: np.ndarray,
+    resize: Callable[[np.ndarray, np.ndarray], None],
+    take: Callable[[str, int], np.ndarray],
+    color: str = "rgb",
+    rows_from: tuple[int, int] = (0, 0),
+) -> None:
+    """Resize the box ``(top, left, height, width)`` of I420 planes into the H x W x 3
+    ``out``: each plane's box (``chroma_box`` for Cb and Cr) resized to the output size with
+    ``resize(src, dst)`` (H x W x 1 arrays), then one conversion.
+
+    ``take(name, nbytes)`` gives reusable scratch buffers, so nothing is allocated per crop.
+    ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
+    the box's rows (read with ``pread``). The chroma box is exact when ``top``, ``left``,
+    ``height`` and ``width`` are even, and off by up to half a chroma sample otherwise
+    (docs/pixels.md gives the difference).
+    """
+    top, left, bh, bw = box
+    ct, cl, cbh, cbw = chroma_box(box)
+    top, ct = top - rows_from[0], ct - rows_from[1]
+    oh, ow = out.shape[:2]
+    ycc = take("ycc", oh * ow * 3).reshape(oh, ow, 3)
+    plane = take("plane", oh * ow).reshape(oh, ow, 1)
+    for k, src in ((0, y[top : top + bh, left : left + bw]),
+                   (1, cr[ct : ct + cbh, cl : cl + cbw]),
+                   (2, cb[ct : ct + cbh, cl : cl + cbw])):  # fmt: skip
+        resize(src[..., None], plane)
+        ycc[..., k] = plane[..., 0]
+    done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
+    if done.ctypes.data != out.ctypes.data:
+        out[...] = done
+
+
+def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
+    """RGB images from I420 planes (``dataset.planes(i)``), as numpy arrays or torch tensors
+    on any device (say, on the GPU after copying the planes there).
+
+    Args:
+        y: ``(..., H, W)`` uint8 luma.
+        cb, cr: ``(..., ceil(H/2), ceil(W/2))`` uint8 chroma.
+
+    Returns:
+        ``(..., H, W, 3)`` uint8 RGB, of the inputs' kind. numpy inputs give exactly what
+        ``MemmapImageDataset`` returns; torch tensors are converted with torch operations
+        (bilinear chroma upsampling, the BT.601 full-range matrix, rounded), within one level
+        of it.
+    """
+    if isinstance(y, np.ndarray):
+        if y.ndim == 2:
+            return convert(y, cb, cr)
+        out = np.empty((*y.shape, 3), np.uint8)
+        for i in np.ndindex(*y.shape[:-2]):
+            convert(y[i], cb[i], cr[i], "rgb", out[i])
+        return out
+    return _torch_to_rgb(y, cb, cr)
+
+
+def _torch_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    h, w = y.shape[-2:]
+    ch, cw = cb.shape[-2:]
+    lead = y.shape[:-2]
+    chroma = torch.stack([cb, cr], -3).reshape(-1, 2, ch, cw).float()
+    # bilinear, align_corners=False at exactly 2x: the 3/4, 1/4 weights cv2 uses, edges clamped
+    chroma = F.interpolate(chroma, size=(2 * ch, 2 * cw), mode="bilinear", align_corners=False)
+    chroma = chroma[..., :h, :w].reshape(*lead, 2, h, w) - 128.0
+    luma = y.float()
+    m = torch.tensor(_FROM_YCC, dtype=torch.float32, device=y.device)
+    cbp, crp = chroma.unbind(-3)
+    rgb = torch.stack([luma + m[k, 1] * cbp + m[k, 2] * crp for k in range(3)], -1)
+    return rgb.round_().clamp_(0, 255).to(torch.uint8)
