@@ -528,10 +528,10 @@ def redecode(
     offsets = files.index["offset"].astype(np.uint64)
     # The records to decode go after the current records, each on its own aligned start.
     start = fmt.aligned(m.sizes["data"])
-    moved, end = fmt.layout_offsets(fmt.record_nbytes(files.index)[todo])
+    moved, end = fmt.layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
     offsets[todo] = moved + np.uint64(start)
     layout = Layout(shapes, offsets, start + end,
-                    files.state["state"].copy(), np.zeros(n, np.int64))  # fmt: skip
+                    files.state["state"].copy(), np.zeros(n, np.int64), m.pixels)  # fmt: skip
     g = Generation(
         folder=m.path, gen=fmt.new_generation(), listing=listing, layout=layout,
         state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
