@@ -103,10 +103,14 @@ class BatchLoader:
             ``state_dict``, so a resumed iteration still matches).
         read: how records leave the page cache: ``"mmap"`` copies them out of a memory map
             (fastest when the cache fits in RAM), ``"pread"`` reads them with ``pread`` (much
-            faster when it does not, and a data file truncated under the loader is a
-            ``CacheFormatError`` rather than a SIGBUS); ``"auto"`` picks ``"mmap"`` when the
-            data file fits in the RAM available now (a memory cgroup's limit counts), at the
-            start of each iteration.
+            faster when it does not); ``"auto"`` picks ``"mmap"`` when the data file fits in
+            the RAM available now (a memory cgroup's limit counts), at the start of each
+            iteration. A data file cut short under the loader is a ``CacheFormatError`` naming
+            it and the first record past its end, from the batch that holds that record: with
+            ``"mmap"`` the file's size is checked before each batch is read (a batch that finds
+            it cut short is read with ``pread``); only a truncation while a batch is being
+            copied, after its check, still ends the process with SIGBUS, which ``"pread"``
+            never does.
         crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
             change the output size (progressive resizing); the buffers follow.
@@ -491,7 +495,8 @@ class _Iteration:
     ) -> None:
         ds = loader.dataset
         ring = loader._buffers()
-        mapped = len(order) > 0 and loader._reads_mapped()
+        # A data file cut short already: this iteration reads with pread (see _fill).
+        mapped = len(order) > 0 and loader._reads_mapped() and not ds.cut_short()
         self._loader = loader
         self._shared = shared = _Shared()
         self._count = -(-len(order) // loader.batch_size)
@@ -701,7 +706,12 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
     first = u * job.batch_size
     idx = job.order[first : first + job.batch_size]
     n = len(idx)
-    ds, records, data, mapped = job.dataset, job.records, job.data, job.mapped
+    ds, records, data = job.dataset, job.records, job.data
+    # A data file cut short since it was mapped would kill the process with SIGBUS at the
+    # first page past its end: checked before each batch (one fstat), and a batch that finds it
+    # cut short is read with pread, which raises the dataset's CacheFormatError for the records
+    # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
+    mapped = job.mapped and not ds.cut_short()
     ring_images = job.ring.images[slot]
     images = ring_images.numpy()
     np.take(records.labels, idx, out=job.ring.labels[slot][:n].numpy())
@@ -730,7 +740,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
                 _pread(job, r, off, flat[j])
         else:
             top, left, bh, bw = boxes[j]
-            src = _box_rows(job, r, off, shapes[j], top, bh, filled[j], scratch)
+            src = _box_rows(job, mapped, r, off, shapes[j], top, bh, filled[j], scratch)
             resize_into(src[:, left : left + bw], ring_images[j], job.crop.interpolation)
         if flips is not None and flips[j]:
             cv2.flip(images[j], 1, dst=images[j])
@@ -757,6 +767,7 @@ def _draw(
 
 def _box_rows(
     job: _Job,
+    mapped: bool,
     r: int,
     off: int,
     shape: np.ndarray,
@@ -766,11 +777,12 @@ def _box_rows(
     scratch: _Scratch,
 ) -> torch.Tensor:
     """Rows ``top .. top + rows - 1`` of record ``r`` as an H x W x C tensor: a view of the
-    mapping, or (``pread``) just those rows, read into the thread's scratch buffer."""
+    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
+    buffer."""
     h, w, c = (int(v) for v in shape)
     if not filled:
         return torch.from_numpy(job.dataset.read(r))[top : top + rows]
-    if job.mapped:
+    if mapped:
         return job.data[off : off + h * w * c].view(h, w, c)[top : top + rows]
     buf = scratch.take("rows", rows * w * c)
     _pread(job, r, off, buf, top * w * c)
