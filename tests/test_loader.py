@@ -346,9 +346,7 @@ print("ok")
 
 
 @pytest.mark.parametrize("read", ["auto", "mmap"])
-def test_a_data_file_truncated_under_a_mapped_loader_is_an_error_not_sigbus(
-    cache, tmp_path, read
-):
+def test_a_data_file_truncated_under_a_mapped_loader_is_an_error_not_sigbus(cache, tmp_path, read):
     # In a child process: a SIGBUS kills the process running the loader.
     script = tmp_path / "truncate.py"
     script.write_text(TRUNCATE_SCRIPT)
