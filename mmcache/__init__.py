@@ -29,6 +29,7 @@ from .errors import (
     OptionsChangedError,
     SourceError,
     StaleCacheWarning,
+    StateMismatchError,
     StrictBuildError,
 )
 from .plan import CachePlan, check_free_space, plan_cache
@@ -67,6 +68,7 @@ __all__ = [
     "Records",
     "SourceError",
     "StaleCacheWarning",
+    "StateMismatchError",
     "StrictBuildError",
     "VerifyReport",
     "WarmReport",

@@ -41,8 +41,9 @@ import torch
 
 from ._feedback import count
 from .dataset import MemmapImageDataset
-from .errors import MixedShapesError
+from .errors import MixedShapesError, StateMismatchError
 from .residency import memory
+from .sampler import check_resume, dataset_identity, order_identity
 from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
@@ -236,21 +237,41 @@ class BatchLoader:
             "seed": self.seed if self.seed is not None else self._iteration_seed,
             "size": list(self.crop.size) if self.crop is not None else None,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+            "dataset": dataset_identity(self.dataset),
+            "order": self._order_identity(),
         }
+
+    def _order_identity(self) -> dict[str, Any]:
+        if self.sampler is None:
+            return {"sampler": None, "shuffle": self.shuffle}
+        return order_identity(self.sampler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration resume where the loader that gave ``state`` stopped.
 
+        The state must be of this run: the same batch size, seed (unless this loader's is
+        None: it takes the state's), dataset (the same records: the cache generation the state
+        was saved over, or a copy of it) and order (``shuffle``, or the sampler's class and
+        settings). A state saved by an older mmcache, which recorded no dataset and order, is
+        accepted with a ``UserWarning`` saying they were not checked.
+
         Raises:
-            ValueError: ``state`` is not a BatchLoader's, or is of another batch size.
+            ValueError: ``state`` is not a BatchLoader's.
+            StateMismatchError: ``state`` is of another batch size, seed, dataset or order,
+                named with both values.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a BatchLoader state (version {STATE_VERSION}): {state!r}")
         if state["batch_size"] != self.batch_size:
-            raise ValueError(
+            raise StateMismatchError(
                 f"the state is of batch size {state['batch_size']}, this loader's is "
                 f"{self.batch_size}: its batches would not be the same"
             )
+        current: dict[str, Any] = {"dataset": dataset_identity(self.dataset)}
+        if self.seed is not None and state.get("seed") is not None:
+            current = {"seed": self.seed, **current}
+        current["order"] = self._order_identity()
+        check_resume("BatchLoader", state, current)
         self.set_epoch(int(state["epoch"]))
         if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])

@@ -23,7 +23,9 @@ from mmcache import (
     MixedShapesError,
     QuasiRandomSampler,
     RandomResizedCrop,
+    StateMismatchError,
     build_cache,
+    copy_cache,
 )
 from mmcache.transforms import resized_crop
 
@@ -133,6 +135,71 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
     assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted))
     # after the resumed epoch, the next iteration is a whole epoch again
     assert len(list(resumed)) == len(first)
+
+
+def _loader(ds, **kw):
+    return BatchLoader(ds, 4, crop=CenterCrop(32), **kw)
+
+
+def _saved(loader, batches=2):
+    """The state of ``loader`` after ``batches`` batches, through JSON as in a checkpoint."""
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+def test_resume_into_another_run_is_refused_naming_what_differs(cache, ds, tmp_path):
+    state = _saved(_loader(ds, shuffle=True, seed=3))
+    with pytest.raises(StateMismatchError, match=r"another seed \(3\) than this run's \(4\)"):
+        _loader(ds, shuffle=True, seed=4).load_state_dict(state)
+    with pytest.raises(
+        StateMismatchError,
+        match=r"another order \(no sampler, shuffle=True\) than this run's \(no sampler, "
+        r"shuffle=False\)",
+    ):
+        _loader(ds, seed=3).load_state_dict(state)
+    sampler = QuasiRandomSampler(ds, seed=3, prefetch=False)
+    with pytest.raises(StateMismatchError, match=r"than this run's \(QuasiRandomSampler, seed=3"):
+        _loader(ds, sampler=sampler, seed=3).load_state_dict(state)
+    # another cache: its generation and length are named, the state's and this run's
+    src = make_folder(tmp_path / "src", {"ant": SIZES})
+    build_cache(src, tmp_path / "other", workers=1)
+    other = MemmapImageDataset(tmp_path / "other")
+    with pytest.raises(StateMismatchError, match="another dataset") as e:
+        _loader(other, shuffle=True, seed=3).load_state_dict(state)
+    message = str(e.value)
+    assert f"cache generation {ds.generation}, 60 images" in message
+    assert f"cache generation {other.generation}, 5 images" in message
+    assert isinstance(e.value, ValueError)
+    # a copy of the cache is another generation of the same records: it resumes
+    copy_cache(cache, tmp_path / "copy")
+    copied = MemmapImageDataset(tmp_path / "copy")
+    assert copied.generation != ds.generation
+    _loader(copied, shuffle=True, seed=3).load_state_dict(state)
+
+
+def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a_warning(ds):
+    whole = epoch(_loader(ds, shuffle=True, seed=3))
+    state = _saved(_loader(ds, shuffle=True, seed=3))
+    del state["dataset"], state["order"]
+    resumed = _loader(ds, shuffle=True, seed=3)
+    with pytest.warns(UserWarning, match="records no dataset or order"):
+        resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:]))
+    with pytest.warns(UserWarning), pytest.raises(StateMismatchError, match="another seed"):
+        _loader(ds, shuffle=True, seed=4).load_state_dict(state)  # the seed is checked
+
+
+def test_a_quasi_random_sampler_refuses_another_run_s_state(ds):
+    state = json.loads(json.dumps(QuasiRandomSampler(ds, seed=1, block_size=4).state_dict(8)))
+    with pytest.raises(StateMismatchError, match=r"another seed \(1\) than this run's \(2\)"):
+        QuasiRandomSampler(ds, seed=2, block_size=4).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"another order .*block_size=4.*block_size=8"):
+        QuasiRandomSampler(ds, seed=1, block_size=8).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"60 images, .*\(59 images\)"):
+        QuasiRandomSampler(range(59), seed=1, block_size=4).load_state_dict(state)
+    QuasiRandomSampler(ds, seed=1, block_size=4).load_state_dict(state)
 
 
 def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
