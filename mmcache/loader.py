@@ -33,6 +33,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import cv2
@@ -41,9 +42,12 @@ import torch
 
 from ._feedback import count
 from .dataset import MemmapImageDataset
+from .decode import Options
 from .errors import MixedShapesError, StateMismatchError
+from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
+from .staleness import recorded_source
 from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
@@ -114,7 +118,8 @@ class BatchLoader:
             never does.
         crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
-            change the output size (progressive resizing); the buffers follow.
+            change the output size (progressive resizing); the buffers follow. An iteration
+            whose crops upscale stored images (smaller than the output) warns, once per size.
         flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
         normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
             ``((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``): the batches become floats
@@ -379,12 +384,36 @@ class BatchLoader:
             if not self._start or self._iteration_seed is None:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
+        if hasattr(self.crop, "warn_if_upscaling"):  # once per size: a cache built too small?
+            advice = _upscale_advice(self.dataset.manifest, self.crop.short_side_needed())
+            self.crop.warn_if_upscaling(self.dataset.records.shapes, advice, stacklevel=2)
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = _Iteration(self, order, ahead, seed, start)
         self._done = start
         self._live = weakref.ref(it)
         return it
+
+
+def _upscale_advice(m: Manifest, short_side: int) -> str:
+    """What to do about crops that upscale the images of cache ``m``: make it again at
+    ``short_side`` if its own size option shrank them, else crop smaller."""
+    try:
+        options = Options.from_json(m.options)
+    except (TypeError, ValueError):
+        options = Options()
+    if all(getattr(options, name) is None for name in ("size", "max_side", "short_side")):
+        return "the cache holds the source images' sizes: crop smaller, or accept the upscaling"
+    wanted = replace(options, size=None, max_side=None, short_side=short_side)
+    if m.mode == "lazy":
+        how = f"make it again with short_side={short_side} and replace=True"
+    else:
+        command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
+        how = f"rebuild it with `{command}`"
+    return (
+        f"the cache was made with {options.flags()}: {how} (images smaller in the source stay "
+        "as they are), or crop smaller"
+    )
 
 
 def _channels(dataset: MemmapImageDataset) -> int:

@@ -25,6 +25,7 @@ from mmcache import (
     RandomResizedCrop,
     StateMismatchError,
     build_cache,
+    cli,
     copy_cache,
 )
 from mmcache.transforms import resized_crop
@@ -83,7 +84,7 @@ def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     # A centre crop has one box per image: both paths must agree on its pixels exactly.
-    crop = CenterCrop(48)
+    crop = CenterCrop(40)  # boxes of 44..70 pixels, resized down
     batches = BatchLoader(ds, 6, crop=crop)
     per_sample = MemmapImageDataset(cache, transform=crop)
     loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
@@ -232,6 +233,31 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
 
 
+def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cache, tmp_path):
+    loader = BatchLoader(MemmapImageDataset(cache), 8, crop=RandomResizedCrop(64))
+    with pytest.warns(UserWarning) as caught:
+        list(loader)
+    assert [str(w.message) for w in caught] == [
+        "RandomResizedCrop(64x64): 24 of 60 stored images have a shorter side under 64 (the "
+        "smallest: 50), so they are upscaled to 64x64; the cache holds the source images' "
+        "sizes: crop smaller, or accept the upscaling"
+    ]
+    list(loader)  # once: the next epoch says nothing (pytest makes warnings errors)
+    # a cache built too small: the warning gives the command that rebuilds it, which works
+    src, small = cache.parent / "src", tmp_path / "small"
+    assert cli.main(["build", str(src), str(small), "--short-side", "40"]) == 0
+    with pytest.warns(UserWarning) as caught:
+        list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+    command = f"mmcache build {src} {small} --short-side 48 --replace"
+    assert str(caught[0].message) == (
+        "CenterCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the smallest: "
+        f"40), so they are upscaled to 42x42; the cache was made with --short-side 40: rebuild "
+        f"it with `{command}` (images smaller in the source stay as they are), or crop smaller"
+    )
+    assert cli.main(command.split()[1:]) == 0
+    list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+
+
 def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
     crop = RandomResizedCrop(24)
     loader = BatchLoader(ds, 8, shuffle=True, seed=0, crop=crop)
@@ -247,7 +273,7 @@ def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds)
 
 
 def test_no_pixel_buffer_is_allocated_per_batch(ds):
-    loader = BatchLoader(ds, 4, shuffle=True, seed=0, crop=RandomResizedCrop(64), flip=True)
+    loader = BatchLoader(ds, 4, shuffle=True, seed=0, crop=RandomResizedCrop(48), flip=True)
     list(loader)  # the ring and the threads' scratch buffers are made in the first epoch
     tracemalloc.start()
     try:
