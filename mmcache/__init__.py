@@ -31,6 +31,7 @@ from .errors import (
     OptionsChangedError,
     SourceError,
     StaleCacheWarning,
+    StateMismatchError,
     StrictBuildError,
 )
 from .pixels import yuv420_to_rgb
@@ -76,6 +77,7 @@ __all__ = [
     "RepairReport",
     "SourceError",
     "StaleCacheWarning",
+    "StateMismatchError",
     "StrictBuildError",
     "VerifyReport",
     "WarmReport",

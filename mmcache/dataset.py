@@ -345,7 +345,7 @@ class MemmapImageDataset(Dataset):
         the cache. The file's size is checked first: a page past its end would be SIGBUS.
         """
         off, n = int(self._offsets[i]), int(self._nbytes[i])
-        if os.fstat(self._fd).st_size < off + n:
+        if self.cut_short(off + n):
             raise self._truncated(i)
         start = off - off % mmap.ALLOCATIONGRANULARITY
         exact = self._reads_exactly()
@@ -559,5 +559,17 @@ class MemmapImageDataset(Dataset):
     def mapping(self) -> np.ndarray:
         """The data file mapped read-only and shared, as a flat uint8 array (fast to copy
         records out of while the cache is in RAM; a file truncated under it kills the process
-        with SIGBUS, where ``read_into`` raises)."""
+        with SIGBUS, where ``read_into`` raises: check ``cut_short`` before reading it)."""
         return self._map()
+
+    def cut_short(self, end: int | None = None) -> bool:
+        """Whether the data file now ends before byte ``end`` (default: the end of ``mapping``),
+        that is, was truncated after this dataset opened it: one ``fstat``.
+
+        A read of the mapping past the file's end is SIGBUS, which kills the process; a reader
+        of the mapping that finds the file cut short reads with ``read_into`` instead, which
+        raises ``CacheFormatError`` for the records past the end. A truncation between this
+        check and the read is not caught (no Python code can catch a SIGBUS).
+        """
+        data = self._map()
+        return os.fstat(self._fd).st_size < (len(data) if end is None else end)

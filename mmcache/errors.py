@@ -23,6 +23,7 @@ __all__ = [
     "DecodeWorkerError",
     "OptionsChangedError",
     "MixedShapesError",
+    "StateMismatchError",
     "StaleCacheWarning",
     "BadImageWarning",
 ]
@@ -96,6 +97,10 @@ class StaleCacheWarning(UserWarning):
 
 class MixedShapesError(CacheError, ValueError):
     """A batch of equal-shaped images was asked of a cache whose records differ in shape."""
+
+
+class StateMismatchError(CacheError, ValueError):
+    """A saved loader or sampler state is of another run: another seed, dataset or order."""
 
 
 class BadImageWarning(UserWarning):

@@ -33,6 +33,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import cv2
@@ -42,8 +43,12 @@ import torch
 from . import pixels as px
 from ._feedback import count
 from .dataset import MemmapImageDataset
-from .errors import MixedShapesError
+from .decode import Options
+from .errors import MixedShapesError, StateMismatchError
+from .format import Manifest
 from .residency import memory
+from .sampler import check_resume, dataset_identity, order_identity
+from .staleness import recorded_source
 from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
@@ -104,13 +109,18 @@ class BatchLoader:
             ``state_dict``, so a resumed iteration still matches).
         read: how records leave the page cache: ``"mmap"`` copies them out of a memory map
             (fastest when the cache fits in RAM), ``"pread"`` reads them with ``pread`` (much
-            faster when it does not, and a data file truncated under the loader is a
-            ``CacheFormatError`` rather than a SIGBUS); ``"auto"`` picks ``"mmap"`` when the
-            data file fits in the RAM available now (a memory cgroup's limit counts), at the
-            start of each iteration.
+            faster when it does not); ``"auto"`` picks ``"mmap"`` when the data file fits in
+            the RAM available now (a memory cgroup's limit counts), at the start of each
+            iteration. A data file cut short under the loader is a ``CacheFormatError`` naming
+            it and the first record past its end, from the batch that holds that record: with
+            ``"mmap"`` the file's size is checked before each batch is read (a batch that finds
+            it cut short is read with ``pread``); only a truncation while a batch is being
+            copied, after its check, still ends the process with SIGBUS, which ``"pread"``
+            never does.
         crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
-            change the output size (progressive resizing); the buffers follow.
+            change the output size (progressive resizing); the buffers follow. An iteration
+            whose crops upscale stored images (smaller than the output) warns, once per size.
         flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
         normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
             ``((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``): the batches become floats
@@ -234,21 +244,41 @@ class BatchLoader:
             "seed": self.seed if self.seed is not None else self._iteration_seed,
             "size": list(self.crop.size) if self.crop is not None else None,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+            "dataset": dataset_identity(self.dataset),
+            "order": self._order_identity(),
         }
+
+    def _order_identity(self) -> dict[str, Any]:
+        if self.sampler is None:
+            return {"sampler": None, "shuffle": self.shuffle}
+        return order_identity(self.sampler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration resume where the loader that gave ``state`` stopped.
 
+        The state must be of this run: the same batch size, seed (unless this loader's is
+        None: it takes the state's), dataset (the same records: the cache generation the state
+        was saved over, or a copy of it) and order (``shuffle``, or the sampler's class and
+        settings). A state saved by an older mmcache, which recorded no dataset and order, is
+        accepted with a ``UserWarning`` saying they were not checked.
+
         Raises:
-            ValueError: ``state`` is not a BatchLoader's, or is of another batch size.
+            ValueError: ``state`` is not a BatchLoader's.
+            StateMismatchError: ``state`` is of another batch size, seed, dataset or order,
+                named with both values.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a BatchLoader state (version {STATE_VERSION}): {state!r}")
         if state["batch_size"] != self.batch_size:
-            raise ValueError(
+            raise StateMismatchError(
                 f"the state is of batch size {state['batch_size']}, this loader's is "
                 f"{self.batch_size}: its batches would not be the same"
             )
+        current: dict[str, Any] = {"dataset": dataset_identity(self.dataset)}
+        if self.seed is not None and state.get("seed") is not None:
+            current = {"seed": self.seed, **current}
+        current["order"] = self._order_identity()
+        check_resume("BatchLoader", state, current)
         self.set_epoch(int(state["epoch"]))
         if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(state["sampler"])
@@ -356,12 +386,36 @@ class BatchLoader:
             if not self._start or self._iteration_seed is None:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
+        if hasattr(self.crop, "warn_if_upscaling"):  # once per size: a cache built too small?
+            advice = _upscale_advice(self.dataset.manifest, self.crop.short_side_needed())
+            self.crop.warn_if_upscaling(self.dataset.records.shapes, advice, stacklevel=2)
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = _Iteration(self, order, ahead, seed, start)
         self._done = start
         self._live = weakref.ref(it)
         return it
+
+
+def _upscale_advice(m: Manifest, short_side: int) -> str:
+    """What to do about crops that upscale the images of cache ``m``: make it again at
+    ``short_side`` if its own size option shrank them, else crop smaller."""
+    try:
+        options = Options.from_json(m.options)
+    except (TypeError, ValueError):
+        options = Options()
+    if all(getattr(options, name) is None for name in ("size", "max_side", "short_side")):
+        return "the cache holds the source images' sizes: crop smaller, or accept the upscaling"
+    wanted = replace(options, size=None, max_side=None, short_side=short_side)
+    if m.mode == "lazy":
+        how = f"make it again with short_side={short_side} and replace=True"
+    else:
+        command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
+        how = f"rebuild it with `{command}`"
+    return (
+        f"the cache was made with {options.flags()}: {how} (images smaller in the source stay "
+        "as they are), or crop smaller"
+    )
 
 
 def _channels(dataset: MemmapImageDataset) -> int:
@@ -493,7 +547,8 @@ class _Iteration:
     ) -> None:
         ds = loader.dataset
         ring = loader._buffers()
-        mapped = len(order) > 0 and loader._reads_mapped()
+        # A data file cut short already: this iteration reads with pread (see _fill).
+        mapped = len(order) > 0 and loader._reads_mapped() and not ds.cut_short()
         self._loader = loader
         self._shared = shared = _Shared()
         self._count = -(-len(order) // loader.batch_size)
@@ -707,7 +762,12 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
     first = u * job.batch_size
     idx = job.order[first : first + job.batch_size]
     n = len(idx)
-    ds, records, data, mapped = job.dataset, job.records, job.data, job.mapped
+    ds, records, data = job.dataset, job.records, job.data
+    # A data file cut short since it was mapped would kill the process with SIGBUS at the
+    # first page past its end: checked before each batch (one fstat), and a batch that finds it
+    # cut short is read with pread, which raises the dataset's CacheFormatError for the records
+    # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
+    mapped = job.mapped and not ds.cut_short()
     ring_images = job.ring.images[slot]
     images = ring_images.numpy()
     np.take(records.labels, idx, out=job.ring.labels[slot][:n].numpy())
@@ -729,7 +789,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
         r = int(idx[j])
         if job.pixels != "rgb":
             box = None if boxes is None else boxes[j]
-            _fill_planar(job, r, off, shapes[j], box, images[j], filled[j], scratch)
+            _fill_planar(job, mapped, r, off, shapes[j], box, images[j], filled[j], scratch)
         elif boxes is None:
             if not filled[j]:  # the dataset's own read raises its error (or, lazily, fills it)
                 flat[j] = ds.read(r).reshape(-1)
@@ -739,7 +799,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
                 _pread(job, r, off, flat[j])
         else:
             top, left, bh, bw = boxes[j]
-            src = _box_rows(job, r, off, shapes[j], top, bh, filled[j], scratch)
+            src = _box_rows(job, mapped, r, off, shapes[j], top, bh, filled[j], scratch)
             resize_into(src[:, left : left + bw], ring_images[j], job.crop.interpolation)
         if flips is not None and flips[j]:
             cv2.flip(images[j], 1, dst=images[j])
@@ -748,6 +808,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
 
 def _fill_planar(
     job: _Job,
+    mapped: bool,
     r: int,
     off: int,
     shape: np.ndarray,
@@ -757,12 +818,12 @@ def _fill_planar(
     scratch: _Scratch,
 ) -> None:
     """Convert I420 record ``r`` into ``out``, whole, or its ``box`` resized plane by plane
-    to the output size first (so only the output's pixels are converted). With ``pread``, a
-    box's rows of each plane are read, not the record."""
+    to the output size first (so only the output's pixels are converted). Unless ``mapped``
+    (see ``_fill``), a box's rows of each plane are read with ``pread``, not the record."""
     rows_from = (0, 0)
     if not filled:  # the dataset's own read raises its error (or, lazily, fills it)
         y, cb, cr = job.dataset.planes(r)
-    elif box is not None and not job.mapped:
+    elif box is not None and not mapped:
         h, w = int(shape[0]), int(shape[1])
         ch, cw = px.chroma_shape(h, w)
         ct, _, cbh, _ = px.chroma_box(box)
@@ -779,7 +840,7 @@ def _fill_planar(
         rows_from = (top, ct)
     else:
         n = int(px.record_nbytes(*(int(v) for v in shape), job.pixels))
-        if job.mapped:
+        if mapped:
             flat = job.data[off : off + n].numpy()
         else:
             flat = scratch.take("rows", n)
@@ -816,6 +877,7 @@ def _draw(
 
 def _box_rows(
     job: _Job,
+    mapped: bool,
     r: int,
     off: int,
     shape: np.ndarray,
@@ -825,11 +887,12 @@ def _box_rows(
     scratch: _Scratch,
 ) -> torch.Tensor:
     """Rows ``top .. top + rows - 1`` of record ``r`` as an H x W x C tensor: a view of the
-    mapping, or (``pread``) just those rows, read into the thread's scratch buffer."""
+    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
+    buffer."""
     h, w, c = (int(v) for v in shape)
     if not filled:
         return torch.from_numpy(job.dataset.read(r))[top : top + rows]
-    if job.mapped:
+    if mapped:
         return job.data[off : off + h * w * c].view(h, w, c)[top : top + rows]
     buf = scratch.take("rows", rows * w * c)
     _pread(job, r, off, buf, top * w * c)

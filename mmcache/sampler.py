@@ -25,13 +25,16 @@ import logging
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from .dataset import MemmapImageDataset
+from .errors import StateMismatchError
 from .residency import memory
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,9 @@ READ_AHEAD_SHARE = 0.8
 # about 600 KB, which an IOPS-limited disk (150 IOPS: 90 MB/s) serves at a fraction of its
 # bandwidth (docs/residency.md).
 READ_PIECE = 8 << 20
+# A sampler's attributes that decide its order (torch's samplers' and this module's names),
+# recorded in a BatchLoader's state to refuse resuming with another order.
+ORDER_ATTRIBUTES = ("seed", "num_replicas", "shuffle", "drop_last", "block_size", "buffer_blocks")
 
 
 class QuasiRandomSampler(Sampler[int]):
@@ -133,24 +139,40 @@ class QuasiRandomSampler(Sampler[int]):
         self.epoch = epoch
         self.start = 0
 
-    def state_dict(self, consumed: int = 0) -> dict[str, int]:
+    def state_dict(self, consumed: int = 0) -> dict[str, Any]:
         """Where training is in this epoch, as plain JSON-serialisable data: the epoch, the
         seed, and ``consumed``, the samples of this epoch's order training has taken (a
         DataLoader reads ahead of training, so only the caller knows it: batches done times
-        the batch size). ``load_state_dict`` makes a new sampler go on from there.
+        the batch size). ``load_state_dict`` makes a new sampler go on from there. The dataset
+        (``dataset_identity``) and the order's other settings are recorded to be checked.
         """
-        return {"epoch": self.epoch, "seed": self.seed, "start": int(consumed)}
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "start": int(consumed),
+            "dataset": dataset_identity(self.data_source),
+            "order": order_identity(self),
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration yield this epoch's order from ``state["start"]`` on (then
-        whole epochs again)."""
-        if state["seed"] != self.seed:
-            raise ValueError(
-                f"the state is of seed {state['seed']}, this sampler's is {self.seed}: its "
-                "order would not be the same"
-            )
+        whole epochs again).
+
+        Raises:
+            StateMismatchError: ``state`` is of another seed, dataset or order settings (its
+                order would not be this one's); a state saved before the dataset and order
+                were recorded is accepted with a warning.
+        """
+        check_resume("QuasiRandomSampler", state, self._identity())
         self.set_epoch(int(state["epoch"]))
         self.start = int(state["start"])
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "dataset": dataset_identity(self.data_source),
+            "order": order_identity(self),
+        }
 
     def __len__(self) -> int:
         """Samples per epoch for this rank (a resumed epoch yields fewer: the rest of it)."""
@@ -213,6 +235,92 @@ class QuasiRandomSampler(Sampler[int]):
                 ahead.reached(a)
                 ahead.wait(a)
                 yield from order[a:z].tolist()
+
+
+def dataset_identity(data_source: Sized) -> dict[str, Any]:
+    """What a saved loader or sampler state records of its dataset, so that a resume over
+    another dataset is refused: its length and, for a ``MemmapImageDataset``, the cache
+    generation and its index's CRC-32 (which fixes every record's file, shape, label and place:
+    a copy made by ``mmcache copy`` is another generation of the same records)."""
+    identity: dict[str, Any] = {"images": len(data_source)}
+    if isinstance(data_source, MemmapImageDataset):
+        m = data_source.manifest
+        identity["generation"] = m.generation
+        identity["index_crc32"] = (m.checksums or {}).get("index")
+    return identity
+
+
+def order_identity(sampler: Any) -> dict[str, Any]:
+    """What decides a sampler's order, for a saved state: its class and those of its
+    ``ORDER_ATTRIBUTES`` it has (not its rank: one rank's state may resume every rank)."""
+    identity: dict[str, Any] = {"sampler": type(sampler).__name__}
+    for name in ORDER_ATTRIBUTES:
+        value = getattr(sampler, name, None)
+        if isinstance(value, bool | int):
+            identity[name] = value
+    return identity
+
+
+def check_resume(owner: str, state: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume from ``state`` a run whose ``current`` seed, dataset or order differ.
+
+    A key of ``current`` missing from ``state`` (a state saved by an older mmcache, which did
+    not record it) is not checked, with one warning naming what was not: refusing would make
+    checkpoints saved before the upgrade unusable.
+
+    Raises:
+        StateMismatchError: naming what differs, the state's value and this run's.
+    """
+    missing = [key for key in current if key not in state]
+    if missing:
+        warnings.warn(
+            f"{owner}.load_state_dict: the state records no {' or '.join(missing)} (it was "
+            "saved by an older mmcache): resuming without checking that they are this run's",
+            UserWarning,
+            stacklevel=3,
+        )
+    for key, value in current.items():
+        saved = state.get(key, value)
+        if key == "dataset" and _same_records(saved, value):
+            continue
+        if saved != value:
+            raise StateMismatchError(
+                f"{owner}.load_state_dict: the state was saved with another {key} "
+                f"({_show(key, saved)}) than this run's ({_show(key, value)}): resuming would "
+                f"repeat some images and skip others; {RESUME_ADVICE[key]}"
+            )
+
+
+RESUME_ADVICE = {
+    "seed": "make this run with the seed of the state",
+    "dataset": "open the cache the state was saved over (or a copy of it), or start the epoch "
+    "afresh without load_state_dict",
+    "order": "make this run with the sampler (or shuffle) and settings of the state",
+}
+
+
+def _same_records(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two dataset identities are the same records: the same length and index
+    checksum (another generation may hold them: a copy); without checksums, one generation."""
+    if saved.get("images") != current.get("images"):
+        return False
+    if saved.get("index_crc32") is not None and current.get("index_crc32") is not None:
+        return saved["index_crc32"] == current["index_crc32"]
+    return saved.get("generation") == current.get("generation")
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "dataset" and isinstance(value, dict):
+        shown = [f"{value.get('images')} images"]
+        if value.get("generation") is not None:
+            shown.insert(0, f"cache generation {value['generation']}")
+        if value.get("index_crc32") is not None:
+            shown.append(f"index CRC-32 {value['index_crc32']:08x}")
+        return ", ".join(shown)
+    if key == "order" and isinstance(value, dict):
+        rest = [f"{k}={v!r}" for k, v in value.items() if k != "sampler"]
+        return ", ".join([value.get("sampler") or "no sampler", *rest])
+    return repr(value)
 
 
 def _distributed() -> bool:

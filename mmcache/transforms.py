@@ -20,11 +20,18 @@ filter, computed by the very kernel torchvision's ``resize`` runs on uint8 tenso
 ``_upsample_bilinear2d_aa``), writing straight into the output. OpenCV's filters are there too
 (``"linear"``, ``"area"``, ``"cubic"``, ``"lanczos"``, ``"nearest"``); docs/training.md gives
 how far each is from torchvision's, and how fast, as measured.
+
+A crop whose output is larger than the largest box it can take of a stored image (the whole
+image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterCrop``) upscales
+that image: part of what the crop means, but over a whole cache most likely a cache built too
+small (``--short-side 128`` cropped to 224). Each crop warns once per output size
+(``UserWarning``), naming the sizes and the ``--short-side`` that avoids it.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +82,47 @@ class _Crop:
     def __init__(self, size: int | Sequence[int], interpolation: str) -> None:
         self.size = size
         self.interpolation = _interpolation(interpolation)
+        self._upscale_warned: tuple[int, int] | None = None  # the size it last warned of
+
+    def short_side_needed(self) -> int:
+        """The shortest stored shorter side this crop takes without upscaling."""
+        return min(self.size)
+
+    def warn_if_upscaling(
+        self, shapes: np.ndarray, advice: str | None = None, stacklevel: int = 2
+    ) -> None:
+        """Warn (``UserWarning``, once per output size) if any of the images of ``shapes``
+        (rows of height, width, ...) is too small for this crop's output: see the module
+        docstring. ``advice``: what to do, for the cache the images come from (by default,
+        what to do if it was built too small). ``BatchLoader`` calls it with its cache's shapes
+        at each iteration."""
+        if self._upscale_warned == self.size or not len(shapes):
+            return
+        shorter = np.asarray(shapes)[:, :2].min(axis=1)
+        needed = self.short_side_needed()
+        small = int(np.count_nonzero(shorter < needed))
+        if not small:
+            return
+        self._upscale_warned = self.size
+        h, w = self.size
+        if len(shorter) == 1:
+            which = f"an image of shorter side {int(shorter[0])}, under {needed}, is"
+        else:
+            which = (
+                f"{small} of {len(shorter)} stored images have a shorter side under {needed} "
+                f"(the smallest: {int(shorter.min())}), so they are"
+            )
+        if advice is None:
+            advice = (
+                "if the cache was built with a smaller --short-side (or --max-side, --size), "
+                f"rebuild it with `mmcache build SOURCE CACHE --short-side {needed} --replace`; "
+                "else the source images are that small: crop smaller, or accept the upscaling"
+            )
+        warnings.warn(
+            f"{type(self).__name__}({h}x{w}): {which} upscaled to {h}x{w}; {advice}",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
 
     @property
     def size(self) -> tuple[int, int]:
@@ -100,6 +148,7 @@ class _Crop:
 
     def __call__(self, img: np.ndarray) -> np.ndarray:
         """The crop of one H x W x C array, resized to ``size`` (a new array)."""
+        self.warn_if_upscaling(np.array([img.shape[:2]]))
         u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
         return resized_crop(img, self.box(*img.shape[:2], u), self.size, self.interpolation)
 
@@ -185,6 +234,9 @@ class CenterCrop(_Crop):
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be within (0, 1], got {ratio}")
         self.ratio = float(ratio)
+
+    def short_side_needed(self) -> int:
+        return math.ceil(min(self.size) / self.ratio - 1e-9)  # a quotient a hair above an int
 
     def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
         side = max(1, round(min(height, width) * self.ratio))

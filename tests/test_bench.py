@@ -176,7 +176,7 @@ def test_the_training_table_runs_every_row_and_says_why_ffcv_did_not(
     monkeypatch.setenv("MMCACHE_FFCV_PYTHON", str(tmp_path / "no-ffcv-here"))
     out = tmp_path / "out"
     argv = ["--parts", "training", "--source", str(small_folder), "--training-epochs", "2"]
-    argv += ["--short-side", "40", "--crop", "24", "--training-batch-size", "4", "--workers", "1"]
+    argv += ["--short-side", "40", "--crop", "16", "--training-batch-size", "4", "--workers", "1"]
     assert main([*argv, "--out", str(out), "--workdir", str(tmp_path / "w")]) == 0
     data = json.loads((out / "results.json").read_text())["training"]
     rows = {r["key"]: r for r in data["rows"]}
@@ -212,7 +212,7 @@ def test_the_training_bench_runs_the_thread_loop_and_batch_loader_in_turns(
 
     monkeypatch.setattr(training, "alternately", spy)
     report = run_training_bench(
-        source=small_folder, short_side=40, size=24, batch_size=4, workers=1, epochs=2,
+        source=small_folder, short_side=40, size=16, batch_size=4, workers=1, epochs=2,
         rows=["decode_crop", "thread_loop", "batch_loader_crop"], workdir=tmp_path,
     )  # fmt: skip
     assert turns == [["thread_loop", "batch_loader_crop"]]

@@ -6,9 +6,12 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -312,6 +315,54 @@ def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_
     with pytest.raises(CacheFormatError, match="is cut short: the file was truncated") as e:
         list(BatchLoader(ds, 4, read="pread"))
     assert str(data) in str(e.value)
+
+
+TRUNCATE_SCRIPT = """
+import os, shutil, sys, time
+from mmcache import BatchLoader, CacheFormatError, CenterCrop, MemmapImageDataset
+cache, work, read = sys.argv[1:]
+for case in ("during", "new iteration"):
+    for crop in (None, CenterCrop(16)):
+        copy = os.path.join(work, f"{case}-{crop is not None}")
+        shutil.copytree(cache, copy)
+        ds = MemmapImageDataset(copy)
+        loader = BatchLoader(ds, 2, read=read, crop=crop, num_threads=1, prefetch=1)
+        it = iter(loader)
+        next(it)  # the data file is mapped and read
+        # Truncate between batches: while the thread copies one (here batch 1, prefetched),
+        # a truncation is still SIGBUS (BatchLoader's docstring: read=), which this test is not.
+        deadline = time.monotonic() + 60
+        while 1 not in it._shared.ready:
+            assert time.monotonic() < deadline, "batch 1 was never prefetched"
+            time.sleep(0.01)
+        os.truncate(ds.data_path, 0)
+        if case == "new iteration":
+            it = iter(loader)
+        done = 0
+        try:
+            for _ in it:
+                done += 1
+        except CacheFormatError as e:
+            assert str(ds.data_path) in str(e) and "cut short" in str(e), e
+        else:
+            raise AssertionError(f"{case}, crop {crop}: no error")
+        assert done <= 1, (case, crop, done)  # at most the batch filled before the truncation
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("read", ["auto", "mmap"])
+def test_a_data_file_truncated_under_a_mapped_loader_is_an_error_not_sigbus(cache, tmp_path, read):
+    # In a child process: a SIGBUS kills the process running the loader.
+    script = tmp_path / "truncate.py"
+    script.write_text(TRUNCATE_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(cache), str(tmp_path), read],
+        capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    assert run.stdout.strip() == "ok"
 
 
 def test_bad_arguments(ds):

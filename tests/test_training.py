@@ -23,7 +23,10 @@ from mmcache import (
     MixedShapesError,
     QuasiRandomSampler,
     RandomResizedCrop,
+    StateMismatchError,
     build_cache,
+    cli,
+    copy_cache,
 )
 from mmcache.transforms import resized_crop
 
@@ -81,7 +84,7 @@ def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     # A centre crop has one box per image: both paths must agree on its pixels exactly.
-    crop = CenterCrop(48)
+    crop = CenterCrop(40)  # boxes of 44..70 pixels, resized down
     batches = BatchLoader(ds, 6, crop=crop)
     per_sample = MemmapImageDataset(cache, transform=crop)
     loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
@@ -135,6 +138,71 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
     assert len(list(resumed)) == len(first)
 
 
+def _loader(ds, **kw):
+    return BatchLoader(ds, 4, crop=CenterCrop(32), **kw)
+
+
+def _saved(loader, batches=2):
+    """The state of ``loader`` after ``batches`` batches, through JSON as in a checkpoint."""
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+def test_resume_into_another_run_is_refused_naming_what_differs(cache, ds, tmp_path):
+    state = _saved(_loader(ds, shuffle=True, seed=3))
+    with pytest.raises(StateMismatchError, match=r"another seed \(3\) than this run's \(4\)"):
+        _loader(ds, shuffle=True, seed=4).load_state_dict(state)
+    with pytest.raises(
+        StateMismatchError,
+        match=r"another order \(no sampler, shuffle=True\) than this run's \(no sampler, "
+        r"shuffle=False\)",
+    ):
+        _loader(ds, seed=3).load_state_dict(state)
+    sampler = QuasiRandomSampler(ds, seed=3, prefetch=False)
+    with pytest.raises(StateMismatchError, match=r"than this run's \(QuasiRandomSampler, seed=3"):
+        _loader(ds, sampler=sampler, seed=3).load_state_dict(state)
+    # another cache: its generation and length are named, the state's and this run's
+    src = make_folder(tmp_path / "src", {"ant": SIZES})
+    build_cache(src, tmp_path / "other", workers=1)
+    other = MemmapImageDataset(tmp_path / "other")
+    with pytest.raises(StateMismatchError, match="another dataset") as e:
+        _loader(other, shuffle=True, seed=3).load_state_dict(state)
+    message = str(e.value)
+    assert f"cache generation {ds.generation}, 60 images" in message
+    assert f"cache generation {other.generation}, 5 images" in message
+    assert isinstance(e.value, ValueError)
+    # a copy of the cache is another generation of the same records: it resumes
+    copy_cache(cache, tmp_path / "copy")
+    copied = MemmapImageDataset(tmp_path / "copy")
+    assert copied.generation != ds.generation
+    _loader(copied, shuffle=True, seed=3).load_state_dict(state)
+
+
+def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a_warning(ds):
+    whole = epoch(_loader(ds, shuffle=True, seed=3))
+    state = _saved(_loader(ds, shuffle=True, seed=3))
+    del state["dataset"], state["order"]
+    resumed = _loader(ds, shuffle=True, seed=3)
+    with pytest.warns(UserWarning, match="records no dataset or order"):
+        resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:]))
+    with pytest.warns(UserWarning), pytest.raises(StateMismatchError, match="another seed"):
+        _loader(ds, shuffle=True, seed=4).load_state_dict(state)  # the seed is checked
+
+
+def test_a_quasi_random_sampler_refuses_another_run_s_state(ds):
+    state = json.loads(json.dumps(QuasiRandomSampler(ds, seed=1, block_size=4).state_dict(8)))
+    with pytest.raises(StateMismatchError, match=r"another seed \(1\) than this run's \(2\)"):
+        QuasiRandomSampler(ds, seed=2, block_size=4).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"another order .*block_size=4.*block_size=8"):
+        QuasiRandomSampler(ds, seed=1, block_size=8).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"60 images, .*\(59 images\)"):
+        QuasiRandomSampler(range(59), seed=1, block_size=4).load_state_dict(state)
+    QuasiRandomSampler(ds, seed=1, block_size=4).load_state_dict(state)
+
+
 def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     def sampler():
         s = QuasiRandomSampler(ds, seed=5, block_size=4, prefetch=False)
@@ -165,6 +233,31 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
 
 
+def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cache, tmp_path):
+    loader = BatchLoader(MemmapImageDataset(cache), 8, crop=RandomResizedCrop(64))
+    with pytest.warns(UserWarning) as caught:
+        list(loader)
+    assert [str(w.message) for w in caught] == [
+        "RandomResizedCrop(64x64): 24 of 60 stored images have a shorter side under 64 (the "
+        "smallest: 50), so they are upscaled to 64x64; the cache holds the source images' "
+        "sizes: crop smaller, or accept the upscaling"
+    ]
+    list(loader)  # once: the next epoch says nothing (pytest makes warnings errors)
+    # a cache built too small: the warning gives the command that rebuilds it, which works
+    src, small = cache.parent / "src", tmp_path / "small"
+    assert cli.main(["build", str(src), str(small), "--short-side", "40"]) == 0
+    with pytest.warns(UserWarning) as caught:
+        list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+    command = f"mmcache build {src} {small} --short-side 48 --replace"
+    assert str(caught[0].message) == (
+        "CenterCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the smallest: "
+        f"40), so they are upscaled to 42x42; the cache was made with --short-side 40: rebuild "
+        f"it with `{command}` (images smaller in the source stay as they are), or crop smaller"
+    )
+    assert cli.main(command.split()[1:]) == 0
+    list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+
+
 def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
     crop = RandomResizedCrop(24)
     loader = BatchLoader(ds, 8, shuffle=True, seed=0, crop=crop)
@@ -180,7 +273,7 @@ def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds)
 
 
 def test_no_pixel_buffer_is_allocated_per_batch(ds):
-    loader = BatchLoader(ds, 4, shuffle=True, seed=0, crop=RandomResizedCrop(64), flip=True)
+    loader = BatchLoader(ds, 4, shuffle=True, seed=0, crop=RandomResizedCrop(48), flip=True)
     list(loader)  # the ring and the threads' scratch buffers are made in the first epoch
     tracemalloc.start()
     try:

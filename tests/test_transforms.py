@@ -189,6 +189,29 @@ def test_center_crop_is_resize_256_then_center_crop_224_on_a_short_side_256_imag
     assert np.array_equal(CenterCrop(224)(big), resized_crop(big, box, (224, 224)))
 
 
+def test_a_crop_larger_than_the_image_warns_once_per_size_naming_the_short_side_to_build():
+    small = _photo(128, 170)
+    crop = CenterCrop(224)
+    with pytest.warns(UserWarning) as caught:
+        crop(small)
+    assert len(caught) == 1 and str(caught[0].message) == (
+        "CenterCrop(224x224): an image of shorter side 128, under 256, is upscaled to 224x224; "
+        "if the cache was built with a smaller --short-side (or --max-side, --size), rebuild it "
+        "with `mmcache build SOURCE CACHE --short-side 256 --replace`; else the source images "
+        "are that small: crop smaller, or accept the upscaling"
+    )
+    crop(small)  # once per size: no second warning (pytest makes warnings errors)
+    crop.size = 160
+    with pytest.warns(UserWarning, match=r"CenterCrop\(160x160\): .* --short-side 183"):
+        crop(small)
+    random = RandomResizedCrop((100, 140))
+    with pytest.warns(UserWarning, match=r"shorter side 64, under 100, .* --short-side 100"):
+        random(_photo(64, 90))
+    # an image that holds the largest box the crop takes is not upscaled: no warning
+    CenterCrop(224)(_photo(256, 300))
+    RandomResizedCrop(224)(_photo(224, 300))
+
+
 def test_per_sample_transforms_use_torch_s_generator_and_pickle():
     img = _photo()
     crop = Compose([RandomResizedCrop((100, 120)), RandomHorizontalFlip()])
