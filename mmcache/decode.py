@@ -45,6 +45,8 @@ INTERPOLATIONS = {
     "nearest": cv2.INTER_NEAREST,
 }
 COLORS = ("rgb", "bgr", "gray")
+# The reason a build gives for a JPEG it skips as cut short (without ``keep_truncated``).
+TRUNCATED = fmt.BAD_REASONS[fmt.BAD_TRUNCATED]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class Options:
     resized to the same output size. Faster to decode, but the pixels differ from the full decode
     shrunk with INTER_AREA (docs/bench.md gives both, measured with ``tools/decoders.py``), so it
     is recorded in the options and the cache's fingerprint.
+
+    ``keep_truncated`` (off by default): a JPEG that ends before its image data does (a download
+    or copy cut short) decodes without error, the missing part grey, so by default it is refused
+    as ``"truncated"``; this keeps it, as its decoded pixels. Other formats cut short do not
+    decode at all.
     """
 
     size: tuple[int, int] | None = None
@@ -71,6 +78,7 @@ class Options:
     color: str = "rgb"
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     reduced_decode: bool = False
+    keep_truncated: bool = False
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -101,8 +109,10 @@ class Options:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["size"] = list(self.size) if self.size else None
-        if not self.reduced_decode:
-            del d["reduced_decode"]  # caches made before the option existed keep their fingerprint
+        # Caches made before these options existed keep their fingerprint.
+        for name in ("reduced_decode", "keep_truncated"):
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -127,6 +137,8 @@ class Options:
                 words.append(f"--{name.replace('_', '-')} {shown}")
         if self.reduced_decode:
             words.append("--reduced-decode")
+        if self.keep_truncated:
+            words.append("--keep-truncated")
         return " ".join(words)
 
     def describe(self) -> str:
@@ -341,6 +353,8 @@ def decode_record(
     try:
         before = os.stat(path)
     except OSError:
+        if os.path.islink(path):  # listed, yet it leads nowhere: a link to fix, not a change
+            return fmt.BAD_UNDECODABLE, 0, broken_link_reason(path), None
         return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
@@ -356,11 +370,70 @@ def decode_record(
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
     if native[0] * native[1] > opts.max_pixels:
-        return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
-    pixels = np.ascontiguousarray(preprocess(img, opts, native))
+        return fmt.BAD_TOO_LARGE, 0, too_large_reason(*native, opts.max_pixels), None
+    truncated = not opts.keep_truncated and jpeg_truncated(path)
+    pixels = None if truncated else np.ascontiguousarray(preprocess(img, opts, native))
+    # After the decode and the truncation check: a file still being written reads truncated.
     if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+    if truncated:
+        return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
     return fmt.FILLED, zlib.crc32(pixels), message, pixels
+
+
+def too_large_reason(height: int, width: int, max_pixels: int) -> str:
+    """Why an image of ``height x width`` is refused under the pixel limit ``max_pixels``."""
+    return (
+        f"{width}x{height} pixels ({width * height:,}), more than the --max-pixels "
+        f"(max_pixels) limit of {max_pixels:,}"
+    )
+
+
+def broken_link_reason(path: str | os.PathLike) -> str:
+    """What a symbolic link whose target is missing is, naming the target."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return f"a broken symbolic link: it points to {target}, which does not exist"
+
+
+_JPEG_SOI = b"\xff\xd8\xff"
+_JPEG_EOI, _JPEG_SOS = b"\xff\xd9", b"\xff\xda"
+_TAIL_CHUNK = 1 << 16
+
+
+def jpeg_truncated(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a JPEG cut short: no end-of-image marker after its last scan.
+
+    libjpeg decodes such a file without error ("Premature end of JPEG file"), the rest of the
+    image grey. Scan data holds no ``FF D9`` (a ``FF`` there is followed by ``00`` or a restart
+    marker), so the marker seen last from the end, ``FF D9`` or the start of a scan ``FF DA``,
+    tells. Reads the file backwards from its end, usually one chunk; False for other formats
+    and unreadable files (the decoder already judged those).
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        if os.pread(fd, 3, 0) != _JPEG_SOI:
+            return False
+        end = os.fstat(fd).st_size
+        while end > 0:
+            start = max(0, end - _TAIL_CHUNK)
+            # One byte past the chunk (none at the end of the file): a marker split between
+            # two chunks is seen.
+            chunk = os.pread(fd, end - start + 1, start)
+            eoi, sos = chunk.rfind(_JPEG_EOI), chunk.rfind(_JPEG_SOS)
+            if eoi >= 0 or sos >= 0:
+                return sos > eoi
+            end = start
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _stat_key(path: str) -> tuple[int, int] | None:
