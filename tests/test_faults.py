@@ -176,7 +176,10 @@ def _wait_group_gone(pgid: int) -> None:
 
 
 def _build_cmd(src: Path, cache: Path, workers: int) -> list[str]:
-    return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers)]
+    # A and B are two versions of one folder at two places: --source-moved lets either
+    # refresh a cache of the other.
+    return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers),
+            "--source-moved"]  # fmt: skip
 
 
 def _new_files(cache: Path, before: set[str]) -> dict[str, os.stat_result]:
@@ -296,7 +299,7 @@ def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_pat
     tally["kills survived"] += KILLS
     tally["kills: refresh"] += KILLS
     tally["kills: refresh, appending"] += kills["appending"]
-    build_cache(source.roots["A"], cache, workers=1)
+    build_cache(source.roots["A"], cache, workers=1, source_moved=True)
     assert _served(cache, source, {"A"}) == "A"
     assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
 
@@ -310,7 +313,7 @@ def test_kill_9_during_a_compaction_leaves_the_cache_as_it_was(source, tmp_path,
         # garbage to compact: a refresh to the other version, appended (compact_at 1: never
         # compacting by itself)
         target = "B" if kills % 2 == 0 else "A"
-        build_cache(source.roots[target], cache, workers=1, compact_at=1.0)
+        build_cache(source.roots[target], cache, workers=1, source_moved=True, compact_at=1.0)
         assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
         point = _build_point(rng, cache)
         proc = _popen("-m", "mmcache", "compact", str(cache))
@@ -346,7 +349,9 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         os.link(source.roots["A"] / rel, small / rel)
     # what the refresh from the small cache to B writes (appended pixels, index, state, paths)
     build_cache(small, tmp_path / "measure", workers=1)
-    need = build_cache(source.roots["B"], tmp_path / "measure", workers=1).written_bytes
+    need = build_cache(
+        source.roots["B"], tmp_path / "measure", workers=1, source_moved=True
+    ).written_bytes
     with tmpfs(tmp_path / "disk", "12m") as disk:
         cache = disk / "cache"
 
@@ -368,7 +373,9 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
             _fill(disk, leave)
             try:
                 # force: past the free-space check before the build, to the disk filling up
-                build_cache(source.roots["B"], cache, workers=workers, force=True)
+                build_cache(
+                    source.roots["B"], cache, workers=workers, source_moved=True, force=True
+                )
             except InsufficientSpaceError as e:
                 assert "disk is full" in str(e) and "previous cache" in str(e)
                 assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
@@ -386,7 +393,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         assert outcomes["refused"] >= 2
         _fill(disk, 0)  # without force, the free-space check refuses before writing anything
         with pytest.raises(InsufficientSpaceError, match="free some space"):
-            build_cache(source.roots["B"], cache, workers=workers)
+            build_cache(source.roots["B"], cache, workers=workers, source_moved=True)
         assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
         (disk / "filler").unlink()
         assert len(MemmapImageDataset(cache, on_stale="ignore")) == 20
@@ -411,7 +418,7 @@ def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally
         def with_garbage() -> dict[str, bytes]:
             shutil.rmtree(cache, ignore_errors=True)
             build_cache(versions["A"], cache, workers=1)
-            build_cache(versions["B"], cache, workers=1, compact_at=1.0)
+            build_cache(versions["B"], cache, workers=1, source_moved=True, compact_at=1.0)
             assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
             return {p.name: p.read_bytes() for p in cache.iterdir()}
 
@@ -471,7 +478,7 @@ def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         try:
             with pytest.raises(DestinationError, match="cannot write the cache here"):
-                build_cache(source.roots["B"], cache, workers=1)
+                build_cache(source.roots["B"], cache, workers=1, source_moved=True)
             assert _served(cache, source, {"A"}) == "A"  # reading needs no write
             tally["read-only destinations survived"] += 1
         finally:
@@ -861,7 +868,8 @@ def test_four_processes_building_and_reading_one_cache(source, tmp_path, tally):
                 "-c",
                 "import sys; from mmcache.cli import main\n"
                 f"for v in {order * rounds!r}:\n"
-                "    assert main(['build', v, sys.argv[1], '--workers', '1']) == 0",
+                "    assert main(['build', v, sys.argv[1], '--workers', '1', '--source-moved'])"
+                " == 0",
                 str(cache),
             ],
             stdout=subprocess.DEVNULL,
