@@ -284,6 +284,8 @@ def undecodable_reason(path: str | os.PathLike, decoder_message: str = "") -> st
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
+        if os.path.islink(path) and not os.path.exists(path):
+            return broken_link_reason(path)
         return f"cannot be opened ({e.strerror})"
     try:
         st = os.fstat(fd)

@@ -552,3 +552,14 @@ def test_lazy_mode_refuses_another_source_unless_replaced_or_moved(src, tmp_path
     assert _codes(cache)[0] == fmt.FILLED and len(moved) == 24  # its filled record kept
     MemmapImageDataset(cache, source=src, replace=True)
     assert fmt.read_manifest(cache).source["root"] == str(src.resolve())
+
+
+def test_a_broken_symlink_is_named_as_one_when_read(src, tmp_path):
+    os.symlink("nowhere.jpg", src / "cat" / "gone.jpg")
+    # size=: the record needs no header, so the link gets one, found bad when it is read
+    ds = MemmapImageDataset(tmp_path / "cache", source=src, size=(8, 8))
+    i = [p for p, _ in ds.samples].index(str(src.resolve() / "cat" / "gone.jpg"))
+    with pytest.raises(DecodeError, match=r"gone\.jpg: a broken symbolic link: it points to"):
+        ds.read(i)
+    with pytest.raises(DecodeError, match=r"gone\.jpg: a broken symbolic link"):  # from its state
+        MemmapImageDataset(tmp_path / "cache").read(i)
