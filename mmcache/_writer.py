@@ -28,8 +28,15 @@ from ._feedback import ProgressFn, human_bytes
 from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
-from .decode import Options, decoder_accepted, decoder_versions
-from .errors import CacheFormatError, OptionsChangedError, SourceError, StrictBuildError
+from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
+from .errors import (
+    CacheFormatError,
+    OptionsChangedError,
+    SourceChangedError,
+    SourceError,
+    StrictBuildError,
+)
+from .probe import probe_size
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
@@ -38,7 +45,17 @@ from .space import (
     free_bytes,
     generation_sizes,
 )
-from .staleness import carried_trust, fingerprints, is_current, same_options, to_match, trust_record
+from .staleness import (
+    carried_trust,
+    fingerprints,
+    is_current,
+    recorded_source,
+    same_options,
+    same_source,
+    source_of,
+    to_match,
+    trust_record,
+)
 
 
 @dataclass
@@ -62,6 +79,11 @@ class BuildReport:
     compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
     took out. ``compaction_deferred``: why a refresh appended although its garbage passed
     ``compact_at`` (a compact data file would not fit on the disk), else empty.
+
+    ``skipped`` and ``warnings``: ``{"path", "reason"}`` for each file left out (undecodable,
+    ``"truncated"``, over the pixel limit, ...) and each file kept with a warning: its
+    decoder complained, or it is another listed file under another label (a link from one
+    class folder into another, see ``scan_source``).
     """
 
     cache: Path
@@ -119,6 +141,7 @@ class BuildRequest:
     replace: bool = False
     lazy: bool = False
     compact_at: float = COMPACT_AT
+    source_moved: bool = False
 
 
 @dataclass
@@ -145,7 +168,8 @@ class Session:
 def session(request: BuildRequest) -> Iterator[Session]:
     """Scan the source, check the destination, and hold its writer lock while the build runs.
 
-    A cache there made with other options is refused unless ``request.replace``.
+    A cache there made from another source, or with other options, is refused unless
+    ``request.replace`` (or, for the source alone, ``request.source_moved``).
     """
     source, opts = request.source, request.options
     listing = source if isinstance(source, Listing) else scan_source(source)
@@ -155,6 +179,8 @@ def session(request: BuildRequest) -> Iterator[Session]:
         with fmt.writer_lock(folder):
             previous = fmt.open_existing(folder)
             if previous is not None and not request.replace:
+                if not request.source_moved:
+                    refuse_other_source(previous.manifest, listing)
                 refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
@@ -168,6 +194,24 @@ def session(request: BuildRequest) -> Iterator[Session]:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def refuse_other_source(m: fmt.Manifest, listing: Listing) -> None:
+    """SourceChangedError if cache ``m`` was made from another folder or list than ``listing``.
+
+    Every file of another source would be "changed", so a build would silently turn the cache
+    into a cache of that source (a validation set built into the training cache).
+    """
+    if same_source(m, listing):
+        return
+    old, new = recorded_source(m), source_of(listing)
+    gone = "" if Path(old).exists() else " (no longer there)"
+    raise SourceChangedError(
+        f"{m.path}: the cache there was made from {old}{gone}; this build's source is {new}, "
+        f"which would replace its {m.count:,} records. Give the source it was made from, pass "
+        "--replace (replace=True) to rebuild it from the new one, or --source-moved "
+        "(source_moved=True) if the same images moved there (unchanged files keep their records)"
+    )
 
 
 def refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
@@ -307,6 +351,8 @@ def allocate(s: Session) -> Generation:
     if layout is None:
         layout = plan_layout(listing, request.options)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
+    for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
+        messages.setdefault(i, _too_large(listing, i, request.options))
     gen = fmt.new_generation()
     g = Generation(
         folder=s.folder,
@@ -389,8 +435,16 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
         more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
         if strict:
+            truncated = sum(e["state"] == fmt.BAD_TRUNCATED for e in skipped)
+            keep = ""
+            if truncated:  # (a cache there has other options then: it takes --replace too)
+                also = " with --replace (replace=True)" if s.previous is not None else ""
+                keep = (
+                    f"; {truncated} of them truncated, which --keep-truncated "
+                    f"(keep_truncated=True){also} keeps"
+                )
             raise StrictBuildError(
-                f"{listing.root}: {len(skipped)} file(s) could not be decoded: {names}{more}"
+                f"{listing.root}: {len(skipped)} file(s) could not be cached: {names}{more}{keep}"
             )
         raise SourceError(
             f"{listing.root}: none of its {len(skipped):,} images could be cached, so nothing "
@@ -399,7 +453,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     offsets, data_bytes = layout.offsets.copy(), layout.data_bytes
     if g.overflow:
         data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
-    warnings = [
+    warnings = list(listing.warnings) + [
         {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
     ]
     index, paths_blob = fmt.index_records(
@@ -652,15 +706,26 @@ def _carry_skips(
     if not _lends_records(previous, wanted):
         return
     stats = {
-        e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"])
+        e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"], e.get("state"))
         for e in previous.manifest.skipped
         if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
     }
     for i, rel in enumerate(listing.paths):
         old = stats.get(rel)
         if old and (old[0], old[1]) == (int(listing.sizes[i]), int(listing.mtimes[i])):
-            state[i] = fmt.BAD_UNDECODABLE
+            state[i] = old[3] if old[3] in fmt.BAD_REASONS else fmt.BAD_UNDECODABLE
             messages[i] = old[2]
+
+
+def _too_large(listing: Listing, i: int, opts: Options) -> str:
+    """Why file ``i``, refused from its header, is over the pixel limit: its size, the limit."""
+    try:
+        native = probe_size(listing.abspath(i))
+    except OSError:
+        native = None
+    if native is None:  # (it was readable when planned; changed since)
+        return fmt.BAD_REASONS[fmt.BAD_TOO_LARGE]
+    return too_large_reason(*native, opts.max_pixels)
 
 
 def _copy_reused(

@@ -46,6 +46,7 @@ def build_cache(
     force: bool = False,
     trust_decoder: bool = False,
     replace: bool = False,
+    source_moved: bool = False,
     compact_at: float = writer.COMPACT_AT,
     distributed: bool | None = None,
     dist_timeout: float = 1800.0,
@@ -71,8 +72,12 @@ def build_cache(
         trust_decoder: keep a cache made by another decoder version (its pixels may differ
             slightly from what this machine decodes) instead of decoding everything again, and
             record that choice in its manifest as ``"trusted_decoder"``.
-        replace: rebuild a cache made with other preprocessing options; without it such a
-            build raises ``OptionsChangedError`` naming the options, and changes nothing.
+        replace: rebuild a cache made from another source or with other preprocessing options;
+            without it such a build raises ``SourceChangedError`` naming both sources, or
+            ``OptionsChangedError`` naming the options, and changes nothing.
+        source_moved: accept a cache made from another folder (or list file) as this source's:
+            the same images moved there. The new source is recorded; files found unchanged
+            (same relative path, size and mtime) keep their records, the others are decoded.
         compact_at: when a refresh would leave more than this share of the data file to
             records no longer used (files removed or replaced), write a compact data file
             instead of appending (see ``compact_cache``).
@@ -95,6 +100,8 @@ def build_cache(
 
     Raises:
         SourceError: no source, or no image of it could be decoded (nothing is published).
+        SourceChangedError: the cache there was made from another source, and neither
+            ``replace`` nor ``source_moved`` is given.
         OptionsChangedError: the cache there has other options, and ``replace`` is False.
         NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
         DistributedBuildError, DecodeWorkerError.
@@ -103,6 +110,7 @@ def build_cache(
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
         force=force, trust_decoder=trust_decoder, replace=replace, compact_at=compact_at,
+        source_moved=source_moved,
     )  # fmt: skip
     if _in_process_group(distributed):
         from .distributed import build_distributed
@@ -119,6 +127,7 @@ def create_lazy_cache(
     progress: ProgressFn | None = None,
     force: bool = False,
     replace: bool = False,
+    source_moved: bool = False,
     compact_at: float = writer.COMPACT_AT,
     **options: Any,
 ) -> BuildReport:
@@ -128,8 +137,9 @@ def create_lazy_cache(
     record published ``EMPTY``; ``MemmapImageDataset`` then fills records as they are read.
     A cache already there with the same source and options is left as it is (lazy or built,
     ``report.up_to_date``); one made from an older listing becomes a new lazy generation that
-    carries over the filled records of unchanged files (``report.reused``); a cache of other
-    options is replaced only with ``replace``. Files whose header cannot be read are decoded
+    carries over the filled records of unchanged files (``report.reused``); a cache of another
+    source is replaced only with ``replace`` (or kept as this source's with ``source_moved``),
+    one of other options only with ``replace``. Files whose header cannot be read are decoded
     now (``report.decoded``). Files refused from their header (over ``max_pixels``) are left
     out, as a build leaves them. Arguments are those of ``build_cache``.
 
@@ -138,12 +148,12 @@ def create_lazy_cache(
         >>> report.pending  # doctest: +SKIP
 
     Raises:
-        SourceError, OptionsChangedError, NotACacheError, DestinationError,
-        InsufficientSpaceError.
+        SourceError, SourceChangedError, OptionsChangedError, NotACacheError,
+        DestinationError, InsufficientSpaceError.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, progress=progress, force=force,
-        replace=replace, lazy=True, compact_at=compact_at,
+        replace=replace, lazy=True, compact_at=compact_at, source_moved=source_moved,
     )  # fmt: skip
     return _build_here(request)
 

@@ -27,7 +27,7 @@ from contextlib import contextmanager, suppress
 from ._feedback import count, human_bytes
 from ._version import __version__
 from .build import BuildReport, build_cache
-from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
+from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
 
 
@@ -190,6 +190,11 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
         help="decode JPEGs shrunk 2x or more at 1/2, 1/4 or 1/8 scale: faster, pixels differ "
         "slightly from the full decode (recorded in the cache)",
     )
+    g.add_argument(
+        "--keep-truncated",
+        action="store_true",
+        help="keep JPEGs cut short, their missing part grey (default: skip them as truncated)",
+    )
 
 
 def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
@@ -202,6 +207,7 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
         "max_pixels": args.max_pixels,
         "reduced_decode": args.reduced_decode,
         "pixels": args.pixels,
+        "keep_truncated": args.keep_truncated,
     }
 
 
@@ -247,10 +253,16 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}")
     if len(report.skipped) > 20:
         out(f"  ... and {len(report.skipped) - 20:,} more (see manifest.json)")
+    truncated = sum(s["reason"] == TRUNCATED for s in report.skipped)
+    if truncated:
+        out(
+            f"  {count(truncated, 'truncated JPEG')} skipped (`--keep-truncated --replace` "
+            "rebuilds the cache keeping them, their missing part grey)"
+        )
     for w in report.warnings[:5]:
         out(f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}")
     if len(report.warnings) > 5:
-        out(f"  ... {len(report.warnings) - 5:,} more decoder warnings (see manifest.json)")
+        out(f"  ... {len(report.warnings) - 5:,} more warnings (see manifest.json)")
 
 
 def _garbage(garbage: int, data: int) -> str:
@@ -288,7 +300,9 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
     # One bar: several ranks' bars would garble the terminal.
     bar = _Progress(desc, quiet=args.quiet) if rank == 0 else None
     try:
-        settings = ("workers", "strict", "force", "trust_decoder", "replace", "compact_at")
+        settings = (
+            "workers", "strict", "force", "trust_decoder", "replace", "source_moved", "compact_at",
+        )  # fmt: skip
         report = build_cache(
             args.source,
             args.cache,
@@ -581,7 +595,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"generation {info.generation}",
         f"pixels:     {_layout_words(info.options.get('pixels', 'rgb'))}",
         f"images:     {info.images:,} ({info.filled:,} filled), "
-        f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped",
+        f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped, "
+        f"{count(len(info.warnings), 'warning')}",
         f"sizes:      {sizes}",
         f"options:    {options}",
         f"data:       {human_bytes(info.data_bytes)} ({human_bytes(info.disk_bytes)} on disk, "
@@ -598,6 +613,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     ]
     if len(info.skipped) > 20:
         lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
+    lines += [f"  warning {w['path']}: {w['reason']}" for w in info.warnings[:5]]
+    if len(info.warnings) > 5:
+        lines.append(f"  ... and {len(info.warnings) - 5} more warnings (see manifest.json)")
     print("\n".join(lines))
     return 0
 
@@ -705,7 +723,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--replace",
         action="store_true",
-        help="rebuild a cache made with other preprocessing options (else refused)",
+        help="rebuild a cache made from another source or with other preprocessing options "
+        "(else refused)",
+    )
+    b.add_argument(
+        "--source-moved",
+        action="store_true",
+        help="the cache's images moved to SOURCE: record the new place, keeping the records of "
+        "unchanged files (another source is otherwise refused)",
     )
     b.add_argument(
         "--compact-at",

@@ -45,7 +45,7 @@ from .errors import (
 )
 from .residency import WarmReport, memory, start_warming
 from .scan import Listing, scan_source
-from .staleness import rebuild_advice, recorded_source, same_options, stale_reason
+from .staleness import rebuild_advice, recorded_source, same_options, same_source, stale_reason
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
@@ -121,8 +121,11 @@ class MemmapImageDataset(Dataset):
             of DataLoader workers) while training starts: ``True`` within the default budget
             (90% of RAM), or a budget such as ``"80%"`` or ``"8G"`` (see ``warm_cache``).
             ``wait_warm()`` waits for it and returns its ``WarmReport``.
-        replace: in lazy mode, replace a cache made with other preprocessing options by a new
-            lazy cache; without it such a cache raises ``OptionsChangedError``.
+        replace: in lazy mode, replace a cache made from another source or with other
+            preprocessing options by a new lazy cache; without it such a cache raises
+            ``SourceChangedError`` or ``OptionsChangedError``.
+        source_moved: in lazy mode, accept a cache made from another folder as ``source``'s
+            (the same images moved there), as ``build_cache`` does.
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
@@ -135,6 +138,8 @@ class MemmapImageDataset(Dataset):
         CacheNotFoundError: no finished cache at ``cache`` (and no ``source``).
         CacheFormatError: a damaged cache, or one of an unknown format version.
         CacheStaleError: with ``on_stale="error"`` and a changed source.
+        SourceChangedError: lazy mode over a cache of another source, without ``replace``
+            or ``source_moved``.
         OptionsChangedError: lazy mode over a cache of other options, without ``replace``.
         CacheFormatError: with ``verify="first-read"``, from ``ds[i]`` whose pixels are damaged.
         DecodeError: when reading a bad record, with ``on_bad="raise"``.
@@ -152,6 +157,7 @@ class MemmapImageDataset(Dataset):
         verify: str | None = None,
         warm: bool | str | int = False,
         replace: bool = False,
+        source_moved: bool = False,
         **options: Any,
     ) -> None:
         if on_stale not in ON_STALE:
@@ -170,13 +176,18 @@ class MemmapImageDataset(Dataset):
         self.target_transform = target_transform
         self.on_bad = on_bad
         self.verify = verify
-        files = self._open(source, Options(**options), on_stale, replace)
+        files = self._open(source, Options(**options), on_stale, replace, source_moved)
         self.generation = files.manifest.generation
         self._attach(files)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _open(
-        self, source: str | os.PathLike | None, options: Options, on_stale: str, replace: bool
+        self,
+        source: str | os.PathLike | None,
+        options: Options,
+        on_stale: str,
+        replace: bool,
+        source_moved: bool,
     ) -> fmt.CacheFiles:
         """Read the cache; in lazy mode create or replace it first when it does not fit."""
         try:
@@ -187,9 +198,17 @@ class MemmapImageDataset(Dataset):
             files = None
         listing = None
         if source is not None:
-            if files is None or not same_options(files.manifest, options):
+            if (
+                files is None
+                or not same_options(files.manifest, options)
+                or not same_source(files.manifest, source)
+            ):
                 create_lazy_cache(
-                    scan_source(source), self.cache, replace=replace, **asdict(options)
+                    scan_source(source),
+                    self.cache,
+                    replace=replace,
+                    source_moved=source_moved,
+                    **asdict(options),
                 )
                 return fmt.open_cache(self.cache)
             if on_stale != "ignore":

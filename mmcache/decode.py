@@ -46,6 +46,8 @@ INTERPOLATIONS = {
     "nearest": cv2.INTER_NEAREST,
 }
 COLORS = ("rgb", "bgr", "gray")
+# The reason a build gives for a JPEG it skips as cut short (without ``keep_truncated``).
+TRUNCATED = fmt.BAD_REASONS[fmt.BAD_TRUNCATED]
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class Options:
     ``pixels``: the record layout (``mmcache.pixels``): ``"rgb"`` (H x W x C) or ``"yuv420"``
     (planar I420, BT.601 full range, half the bytes of RGB; readers still return RGB, or BGR
     for ``color="bgr"``). ``"yuv420"`` needs colour: ``color="gray"`` is refused with it.
+    ``keep_truncated`` (off by default): a JPEG that ends before its image data does (a download
+    or copy cut short) decodes without error, the missing part grey, so by default it is refused
+    as ``"truncated"``; this keeps it, as its decoded pixels. Other formats cut short do not
+    decode at all.
     """
 
     size: tuple[int, int] | None = None
@@ -77,6 +83,7 @@ class Options:
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     reduced_decode: bool = False
     pixels: str = "rgb"
+    keep_truncated: bool = False
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -113,10 +120,13 @@ class Options:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["size"] = list(self.size) if self.size else None
-        if not self.reduced_decode:
-            del d["reduced_decode"]  # caches made before the option existed keep their fingerprint
+        # Caches made before these options existed keep their fingerprint (and 2.x readers,
+        # which know no layouts, read an RGB cache's options as ever).
+        for name in ("reduced_decode", "keep_truncated"):
+            if not d[name]:
+                del d[name]
         if self.pixels == "rgb":
-            del d["pixels"]  # likewise, and 2.x readers (which know no layouts) read it as ever
+            del d["pixels"]
         return d
 
     @classmethod
@@ -143,6 +153,8 @@ class Options:
             words.append("--reduced-decode")
         if self.pixels != "rgb":
             words.append(f"--pixels {self.pixels}")
+        if self.keep_truncated:
+            words.append("--keep-truncated")
         return " ".join(words)
 
     def describe(self) -> str:
@@ -291,6 +303,8 @@ def undecodable_reason(path: str | os.PathLike, decoder_message: str = "") -> st
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
+        if os.path.islink(path) and not os.path.exists(path):
+            return broken_link_reason(path)
         return f"cannot be opened ({e.strerror})"
     try:
         st = os.fstat(fd)
@@ -360,6 +374,8 @@ def decode_record(
     try:
         before = os.stat(path)
     except OSError:
+        if os.path.islink(path):  # listed, yet it leads nowhere: a link to fix, not a change
+            return fmt.BAD_UNDECODABLE, 0, broken_link_reason(path), None
         return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
@@ -375,11 +391,71 @@ def decode_record(
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
     if native[0] * native[1] > opts.max_pixels:
-        return fmt.BAD_TOO_LARGE, 0, f"{native[1]}x{native[0]} pixels", None
-    pixels = np.require(preprocess(img, opts, native), requirements="C")  # keeps a 0-d record
+        return fmt.BAD_TOO_LARGE, 0, too_large_reason(*native, opts.max_pixels), None
+    truncated = not opts.keep_truncated and jpeg_truncated(path)
+    # np.require keeps a 0-d (I420) record as it is.
+    pixels = None if truncated else np.require(preprocess(img, opts, native), requirements="C")
+    # After the decode and the truncation check: a file still being written reads truncated.
     if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+    if truncated:
+        return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
     return fmt.FILLED, zlib.crc32(pixels), message, pixels
+
+
+def too_large_reason(height: int, width: int, max_pixels: int) -> str:
+    """Why an image of ``height x width`` is refused under the pixel limit ``max_pixels``."""
+    return (
+        f"{width}x{height} pixels ({width * height:,}), more than the --max-pixels "
+        f"(max_pixels) limit of {max_pixels:,}"
+    )
+
+
+def broken_link_reason(path: str | os.PathLike) -> str:
+    """What a symbolic link whose target is missing is, naming the target."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return f"a broken symbolic link: it points to {target}, which does not exist"
+
+
+_JPEG_SOI = b"\xff\xd8\xff"
+_JPEG_EOI, _JPEG_SOS = b"\xff\xd9", b"\xff\xda"
+_TAIL_CHUNK = 1 << 16
+
+
+def jpeg_truncated(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a JPEG cut short: no end-of-image marker after its last scan.
+
+    libjpeg decodes such a file without error ("Premature end of JPEG file"), the rest of the
+    image grey. Scan data holds no ``FF D9`` (a ``FF`` there is followed by ``00`` or a restart
+    marker), so the marker seen last from the end, ``FF D9`` or the start of a scan ``FF DA``,
+    tells. Reads the file backwards from its end, usually one chunk; False for other formats
+    and unreadable files (the decoder already judged those).
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        if os.pread(fd, 3, 0) != _JPEG_SOI:
+            return False
+        end = os.fstat(fd).st_size
+        while end > 0:
+            start = max(0, end - _TAIL_CHUNK)
+            # One byte past the chunk (none at the end of the file): a marker split between
+            # two chunks is seen.
+            chunk = os.pread(fd, end - start + 1, start)
+            eoi, sos = chunk.rfind(_JPEG_EOI), chunk.rfind(_JPEG_SOS)
+            if eoi >= 0 or sos >= 0:
+                return sos > eoi
+            end = start
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _stat_key(path: str) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ __all__ = [
     "DistributedBuildError",
     "DecodeWorkerError",
     "OptionsChangedError",
+    "SourceChangedError",
     "MixedShapesError",
     "StateMismatchError",
     "StaleCacheWarning",
@@ -85,6 +86,10 @@ class DistributedBuildError(CacheError, RuntimeError):
 
 class OptionsChangedError(CacheError, ValueError):
     """A build asked for other preprocessing options than the cache there was made with."""
+
+
+class SourceChangedError(CacheError, ValueError):
+    """A build named another source folder or list than the cache there was made from."""
 
 
 class DecodeWorkerError(CacheError, RuntimeError):

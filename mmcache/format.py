@@ -190,11 +190,13 @@ BAD_UNDECODABLE = 2
 BAD_HEADER_MISMATCH = 3
 BAD_TOO_LARGE = 4
 BAD_SOURCE_CHANGED = 5
+BAD_TRUNCATED = 6
 BAD_REASONS = {
     BAD_UNDECODABLE: "the decoder could not read it",
     BAD_HEADER_MISMATCH: "its header disagrees with its decoded size",
     BAD_TOO_LARGE: "it has more pixels than the limit",
     BAD_SOURCE_CHANGED: "it changed or vanished since it was listed",
+    BAD_TRUNCATED: "truncated: the file ends before its image data does",
 }
 
 

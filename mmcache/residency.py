@@ -77,7 +77,9 @@ class CacheInfo:
         live_bytes / garbage_bytes: the data file's bytes the records cover (pixels and
             alignment padding), and the rest (records that refreshes replaced or removed).
         format_version, mode, generation, options: from the manifest; skipped: the files the
-            build left out (the manifest's list) and the records lazy fills found bad.
+            build left out (the manifest's list) and the records lazy fills found bad;
+            ``warnings``: files kept although their decoder complained (a JPEG kept truncated
+            with ``keep_truncated``, say), and files listed under two classes.
         stale: ``None`` when the source is still matched (or absent), else the reason.
         source: the folder or list file the cache was made from; ``source_found``: whether it
             is there (a copied cache's may not be: then it is not compared).
@@ -102,6 +104,7 @@ class CacheInfo:
     generation: str
     options: dict[str, Any]
     skipped: list[dict[str, Any]]
+    warnings: list[dict[str, Any]]
     stale: str | None
     source: str
     source_found: bool
@@ -361,6 +364,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         generation=m.generation,
         options=dict(m.options),
         skipped=list(m.skipped) + fmt.found_bad(files),  # and what lazy fills found bad
+        warnings=list(m.warnings),
         stale=stale_reason(files) if check_stale else None,
         source=recorded_source(m),
         source_found=Path(recorded_source(m)).exists(),

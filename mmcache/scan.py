@@ -56,6 +56,9 @@ class Listing:
     mtimes: np.ndarray
     # Folders below the root left out because they hold an mmcache cache, relative to it.
     ignored: list[str] = field(default_factory=list)
+    # ``{"path", "reason"}`` for each file that is another listed file under another label
+    # (a link from one class folder into another): kept, as ImageFolder keeps it, but said.
+    warnings: list[dict[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -283,27 +286,62 @@ def _with_stats(
 ) -> Listing:
     sizes = np.zeros(len(paths), np.uint64)
     mtimes = np.zeros(len(paths), np.int64)
+    files = np.zeros((len(paths), 2), np.uint64)  # (device, inode): which files are one
     for i, rel in enumerate(paths):
         try:
             st = os.stat(os.path.join(root, rel))
         except OSError as e:
             if kind == "list":
-                raise SourceError(f"{root / rel}: listed but unreadable ({e.strerror})") from None
-            continue  # vanished since the walk: size 0 makes it fail cleanly at decode time
+                broken = " (a broken symbolic link)" if os.path.islink(root / rel) else ""
+                raise SourceError(
+                    f"{root / rel}: listed but unreadable ({e.strerror}){broken}"
+                ) from None
+            # A broken link, or vanished since the walk: size 0, and decoding says which.
+            continue
         if kind == "list" and not stat_mod.S_ISREG(st.st_mode):
             raise SourceError(f"{root / rel}: listed but not a file")
         sizes[i] = st.st_size
         mtimes[i] = st.st_mtime_ns
+        files[i] = st.st_dev, st.st_ino
+    labels = np.asarray(labels, np.int32)
     return Listing(
         root=root,
         kind=kind,
         list_file=list_file,
         classes=classes,
         paths=paths,
-        labels=np.asarray(labels, np.int32),
+        labels=labels,
         sizes=sizes,
         mtimes=mtimes,
+        warnings=_under_two_labels(files, paths, labels, classes),
     )
+
+
+def _under_two_labels(
+    files: np.ndarray, paths: list[str], labels: np.ndarray, classes: list[str]
+) -> list[dict[str, str]]:
+    """A warning for each listed file that an earlier listed path reaches under another label:
+    one image that would be trained as two classes (a link from one class folder to another)."""
+    listed = np.flatnonzero(files[:, 1] != 0)  # 0: not stat'ed (vanished, a broken link)
+    # Sorted by (device, inode), then listing order: the paths of one file are adjacent.
+    order = listed[np.lexsort((listed, files[listed, 1], files[listed, 0]))]
+    same = (files[order[1:]] == files[order[:-1]]).all(axis=1)
+    found, first = [], {}
+    for k in np.flatnonzero(same).tolist():
+        a, b = int(order[k]), int(order[k + 1])
+        a = first.setdefault(a, a)  # compare with the file's first listed path
+        first[b] = a
+        if labels[a] != labels[b]:
+            found.append((a, b))
+    return [
+        {
+            "path": paths[b],
+            "reason": f"the same file as {paths[a]} (a link), so one image is listed under two "
+            f"classes, {classes[labels[a]]!r} and {classes[labels[b]]!r}; both are kept, as "
+            "torchvision's ImageFolder keeps them",
+        }
+        for a, b in sorted(found, key=lambda pair: pair[1])
+    ]
 
 
 @dataclass

@@ -8,6 +8,7 @@ as this machine's), ``is_current`` and, for people, ``stale_reason``. Kept free 
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def to_match(m: fmt.Manifest, current: dict[str, str], trust: bool = False) -> d
 def same_options(m: fmt.Manifest, opts: Options) -> bool:
     """Whether cache ``m`` was made with the preprocessing ``opts``."""
     return m.fingerprints.get("options") == opts.fingerprint()
+
+
+def same_source(m: fmt.Manifest, source: str | os.PathLike | Listing) -> bool:
+    """Whether cache ``m`` was made from ``source``: the folder or list file (or its listing).
+
+    Compared as the scan records them (symlinks resolved), so without scanning a path.
+    """
+    if isinstance(source, Listing):
+        return recorded_source(m) == source_of(source)
+    return recorded_source(m) == str(Path(source).expanduser().resolve())
 
 
 def is_current(
@@ -100,7 +111,7 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
                 reasons.append(f"the source cannot be scanned ({e})")
     if listing is not None:
         if listing.source_json() != m.source:
-            reasons.append(f"it was made from {recorded_source(m)}, not {_source_of(listing)}")
+            reasons.append(f"it was made from {recorded_source(m)}, not {source_of(listing)}")
         elif listing.fingerprint() != m.fingerprints.get("listing"):
             reasons.append("the source changed: " + _diff_summary(files, listing))
     return "; ".join(reasons) or None
@@ -122,7 +133,8 @@ def recorded_source(m: fmt.Manifest) -> str:
     return str(m.source.get("list_file") if m.source.get("kind") == "list" else m.source["root"])
 
 
-def _source_of(listing: Listing) -> str:
+def source_of(listing: Listing) -> str:
+    """The folder or list file ``listing`` comes from, as a manifest records it."""
     return str(listing.list_file if listing.kind == "list" else listing.root)
 
 

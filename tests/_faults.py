@@ -154,7 +154,10 @@ def wait_group_gone(pgid: int) -> None:
 
 
 def build_cmd(src: Path, cache: Path, workers: int) -> list[str]:
-    return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers)]
+    # A and B are two versions of one folder at two places: --source-moved lets either
+    # refresh a cache of the other.
+    return ["-m", "mmcache", "build", str(src), str(cache), "--workers", str(workers),
+            "--source-moved"]  # fmt: skip
 
 
 def new_files(cache: Path, before: set[str]) -> dict[str, os.stat_result]:

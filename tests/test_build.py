@@ -16,7 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, opened_file, sigint_by_default, wait_until, write_image
+from conftest import (
+    TESTIMAGES,
+    make_folder,
+    opened_file,
+    sigint_by_default,
+    wait_until,
+    write_image,
+)
 
 from mmcache import (
     CacheNotFoundError,
@@ -24,6 +31,7 @@ from mmcache import (
     MemmapImageDataset,
     NotACacheError,
     OptionsChangedError,
+    SourceChangedError,
     SourceError,
     StrictBuildError,
     build_cache,
@@ -62,15 +70,49 @@ def test_plain_numpy_reads_a_cache_by_the_spec(small_folder, tmp_path):
 
 def test_undecodable_files_are_skipped_and_recorded(testimages, tmp_path):
     report = build_cache(testimages, tmp_path / "cache", workers=2)
-    assert [s["path"] for s in report.skipped] == ["broken.png"]
+    assert [s["path"] for s in report.skipped] == ["broken.png", "truncated_jpeg.jpg"]
+    assert report.skipped[1]["reason"].startswith("truncated")
     m = fmt.read_manifest(tmp_path / "cache")
-    assert [s["path"] for s in m.skipped] == ["broken.png"]
+    assert [s["path"] for s in m.skipped] == ["broken.png", "truncated_jpeg.jpg"]
     warned = {w["path"]: w["reason"] for w in m.warnings}
-    assert "Premature end of JPEG file" in warned["truncated_jpeg.jpg"]
     assert "extraneous bytes" in warned["junk_jpeg_header.jpg"]
-    assert "truncated_jpeg.jpg" in {
+    assert "truncated_jpeg.jpg" not in {
         p.rsplit("/", 1)[-1] for p, _ in MemmapImageDataset(tmp_path / "cache").samples
     }
+
+
+@pytest.fixture
+def cut_jpeg(tmp_path: Path) -> Path:
+    """A folder of two real JPEGs, one of them cut to its first half (a download cut short)."""
+    src = tmp_path / "cut"
+    src.mkdir()
+    shutil.copy(TESTIMAGES / "hopper.jpg", src / "whole.jpg")
+    data = (TESTIMAGES / "flower.jpg").read_bytes()
+    (src / "half.jpg").write_bytes(data[: len(data) // 2])
+    return src
+
+
+def test_a_truncated_jpeg_is_skipped_as_truncated_by_default(cut_jpeg, tmp_path):
+    report = build_cache(cut_jpeg, tmp_path / "cache", workers=1)
+    assert report.images == 1
+    assert [(s["path"], s["reason"].split(":")[0]) for s in report.skipped] == [
+        ("half.jpg", "truncated")
+    ]
+    with pytest.raises(StrictBuildError, match=r"half\.jpg: truncated.*--keep-truncated"):
+        build_cache(cut_jpeg, tmp_path / "strict", workers=1, strict=True)
+    assert not (tmp_path / "strict").exists()
+
+
+def test_keep_truncated_keeps_it_with_its_warning_and_strict_accepts_it(cut_jpeg, tmp_path):
+    report = build_cache(cut_jpeg, tmp_path / "cache", workers=1, keep_truncated=True)
+    assert (report.images, report.skipped) == (2, [])
+    assert [w["path"] for w in report.warnings] == ["half.jpg"]
+    assert "Premature end of JPEG file" in report.warnings[0]["reason"]
+    strict = build_cache(cut_jpeg, tmp_path / "strict", workers=1, strict=True, keep_truncated=True)
+    assert strict.images == 2
+    # the option is part of what the cache was made with: a build without it must repeat it
+    with pytest.raises(OptionsChangedError, match="--keep-truncated"):
+        build_cache(cut_jpeg, tmp_path / "cache", workers=1)
 
 
 def test_strict_build_fails_and_leaves_no_cache(testimages, tmp_path):
@@ -102,7 +144,9 @@ def test_images_above_the_pixel_limit_are_refused_without_decoding(tmp_path, mon
     report = build_cache(tmp_path / "src", tmp_path / "cache", max_pixels=10_000, workers=0)
     assert report.images == 1
     assert [s["path"] for s in report.skipped] == ["big.png"]
-    assert "pixels" in report.skipped[0]["reason"]
+    assert report.skipped[0]["reason"] == (
+        "300x200 pixels (60,000), more than the --max-pixels (max_pixels) limit of 10,000"
+    )
     assert [Path(p).name for p in decoded] == ["ok.png"]
 
 
@@ -264,7 +308,8 @@ def test_a_killed_build_leaves_the_previous_cache_intact(big_folder, small_folde
     build_cache(small_folder, cache, workers=1)
     before = [MemmapImageDataset(cache)[i][0].copy() for i in range(12)]
     data_before = _data_blocks(cache)
-    proc = _build_in_subprocess(big_folder, cache, "--workers", "2")
+    # another source: its build replaces the cache (--replace), or would, had it not been killed
+    proc = _build_in_subprocess(big_folder, cache, "--workers", "2", "--replace")
     _wait_for_data_file(cache, proc, 1 << 20, data_before)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
@@ -272,7 +317,7 @@ def test_a_killed_build_leaves_the_previous_cache_intact(big_folder, small_folde
     assert len(ds) == 12
     assert all(np.array_equal(ds[i][0], before[i]) for i in range(12))
     # the next build cleans up what the killed one left and succeeds
-    report = build_cache(big_folder, cache, workers=2)
+    report = build_cache(big_folder, cache, workers=2, replace=True)
     assert report.images == 120
     assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
 
@@ -488,3 +533,52 @@ def test_a_build_waiting_for_another_s_lock_says_so_then_runs(small_folder, tmp_
         os.close(fd)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "13 images in 3 classes" in out
+
+
+def test_another_source_is_refused_naming_both_and_the_cache_is_untouched(small_folder, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(small_folder, cache, workers=1)
+    before = fmt.read_manifest(cache)
+    val = make_folder(tmp_path / "val", {"cat": [(20, 20)], "dog": [(20, 20)], "emu": [(9, 9)]})
+    with pytest.raises(SourceChangedError) as e:
+        build_cache(val, cache, workers=1)
+    message = str(e.value)
+    assert f"made from {small_folder.resolve()}; this build's source is {val.resolve()}" in message
+    assert "--replace (replace=True)" in message and "--source-moved (source_moved=True)" in message
+    assert "\n" not in message
+    after = fmt.read_manifest(cache)
+    assert (after.generation, after.source) == (before.generation, before.source)
+    assert set(os.listdir(cache)) == {"manifest.json", "lock", *before.to_json()["files"].values()}
+    report = build_cache(val, cache, workers=1, replace=True)
+    assert report.images == 3 and fmt.read_manifest(cache).source["root"] == str(val.resolve())
+
+
+def test_a_moved_source_is_accepted_with_source_moved_keeping_its_records(small_folder, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(small_folder, cache, workers=1)
+    moved = small_folder.rename(tmp_path / "moved")  # the same files: sizes and mtimes kept
+    with pytest.raises(SourceChangedError, match=r"src \(no longer there\); this build's"):
+        build_cache(moved, cache, workers=1)
+    report = build_cache(moved, cache, workers=1, source_moved=True)
+    assert (report.decoded, report.reused, report.images) == (0, 12, 12)
+    assert fmt.read_manifest(cache).source["root"] == str(moved.resolve())
+    assert build_cache(moved, cache, workers=1).up_to_date
+
+
+def test_a_broken_symlink_is_skipped_as_such(small_folder, tmp_path):
+    os.symlink("nowhere.jpg", small_folder / "cat" / "gone.jpg")
+    report = build_cache(small_folder, tmp_path / "cache", workers=1)
+    assert report.skipped[0]["path"] == "cat/gone.jpg"
+    assert report.skipped[0]["reason"] == (
+        "a broken symbolic link: it points to nowhere.jpg, which does not exist"
+    )
+    assert build_cache(small_folder, tmp_path / "cache", workers=1).up_to_date  # not retried
+
+
+def test_a_file_under_two_classes_is_kept_twice_with_a_warning(small_folder, tmp_path):
+    os.symlink("../cat/img_000.jpg", small_folder / "dog" / "linked.jpg")
+    report = build_cache(small_folder, tmp_path / "cache", workers=1)
+    assert report.images == 13
+    assert [w["path"] for w in report.warnings] == ["dog/linked.jpg"]
+    assert "the same file as cat/img_000.jpg" in report.warnings[0]["reason"]
+    assert fmt.read_manifest(tmp_path / "cache").warnings == report.warnings

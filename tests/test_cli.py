@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,32 @@ def test_build_then_up_to_date(small_folder, tmp_path, capsys):
 def test_build_lists_skipped_files(testimages, tmp_path, capsys):
     assert main(["build", str(testimages), str(tmp_path / "c"), "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "1 skipped" in out and "skipped broken.png" in out
-    assert "warning truncated_jpeg.jpg: Premature end of JPEG file" in out
+    assert "2 skipped" in out and "skipped broken.png" in out
+    assert "skipped truncated_jpeg.jpg: truncated" in out
+    assert "1 truncated JPEG skipped (`--keep-truncated --replace` rebuilds" in out
+    assert main(["info", str(tmp_path / "c")]) == 0
+    assert "2 skipped, 1 warning" in capsys.readouterr().out  # junk_jpeg_header.jpg's
+    # The advice works: the cache rebuilt keeping it, with its decoder's warning; --strict
+    # accepts a truncated file that --keep-truncated keeps.
+    args = ["build", str(testimages), str(tmp_path / "c"), "--keep-truncated", "--replace"]
+    assert main([*args, "--strict"]) == 1  # broken.png
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped" in out and "warning truncated_jpeg.jpg: Premature end of JPEG file" in out
+    assert main(["info", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped, 2 warnings" in out and "warning truncated_jpeg.jpg: Premature end" in out
+    assert main(["info", str(tmp_path / "c"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [w["path"] for w in info["warnings"]] == ["junk_jpeg_header.jpg", "truncated_jpeg.jpg"]
+
+
+def test_strict_fails_on_a_truncated_jpeg_unless_kept(testimages, tmp_path, capsys):
+    (testimages / "broken.png").unlink()
+    assert main(["build", str(testimages), str(tmp_path / "c"), "--strict"]) == 1
+    assert "truncated_jpeg.jpg: truncated" in capsys.readouterr().err
+    kept = ["build", str(testimages), str(tmp_path / "c"), "--strict", "--keep-truncated"]
+    assert main(kept) == 0
 
 
 # The README: a missing or empty source, no images, an unwritable destination, or a path that
@@ -376,3 +401,20 @@ def test_file_names_with_odd_bytes_keep_json_json_and_lines_lines(tmp_path, caps
     assert main(["info", str(tmp_path / "c"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert sorted(os.fsencode(s["path"]) for s in info["skipped"]) == sorted(odd)
+
+
+def test_another_source_is_one_line_offering_replace_and_source_moved_which_work(
+    small_folder, tmp_path, capsys
+):
+    cache = str(tmp_path / "c")
+    assert main(["build", str(small_folder), cache, "--short-side", "32", "-q"]) == 0
+    other = shutil.copytree(small_folder, tmp_path / "val")  # the same files, mtimes kept
+    assert main(["build", str(other), cache, "--short-side", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mmcache: error: ") and len(err.strip().splitlines()) == 1
+    assert str(small_folder.resolve()) in err and str(other.resolve()) in err
+    assert "--replace" in err and "--source-moved" in err
+    assert main(["build", str(other), cache, "--short-side", "32", "--source-moved"]) == 0
+    assert "0 decoded, 12 reused" in capsys.readouterr().out
+    assert main(["build", str(small_folder), cache, "--short-side", "32", "--replace"]) == 0
+    assert MemmapImageDataset(cache).samples[0][0].startswith(str(small_folder.resolve()))

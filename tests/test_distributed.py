@@ -306,3 +306,21 @@ def test_a_corrupted_copy_is_detected_and_not_published(small_folder, tmp_path):
     with pytest.raises(CacheFormatError, match=r"record 5 .* CRC-32"):
         copy_cache(tmp_path / "cache", dest, progress=corrupt_when_copied)
     assert records(dest) == before and set(os.listdir(dest)) == names
+
+
+def test_two_ranks_refuse_another_source_as_one_process_does(source, tmp_path):
+    cache = tmp_path / "cache"
+    train = make_folder(tmp_path / "train", {"a": [(8, 8)], "b": [(8, 8)]})
+    build_cache(train, cache, workers=1)
+    before = records(cache)
+    logs = tmp_path / "logs"
+    run = torchrun(2, "-m", "mmcache", "build", str(source), str(cache), log_dir=logs)
+    assert run.returncode != 0
+    assert records(cache) == before
+    errors = rank_logs(logs, "stderr")
+    assert sorted(errors) == [0, 1]
+    for text in errors.values():  # every rank says the same one line, naming both sources
+        lines = [line for line in text.splitlines() if line.startswith("mmcache: error:")]
+        assert len(lines) == 1, text
+        assert f"made from {train.resolve()}; this build's source is {source.resolve()}" in lines[0]
+        assert "--source-moved" in lines[0] and "Traceback" not in text

@@ -78,7 +78,8 @@ def test_four_processes_building_and_reading_one_cache(source, tmp_path, tally):
                 "-c",
                 "import sys; from mmcache.cli import main\n"
                 f"for v in {order * rounds!r}:\n"
-                "    assert main(['build', v, sys.argv[1], '--workers', '1']) == 0",
+                "    assert main(['build', v, sys.argv[1], '--workers', '1', '--source-moved'])"
+                " == 0",
                 str(cache),
             ],
             stdout=subprocess.DEVNULL,

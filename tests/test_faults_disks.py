@@ -45,7 +45,9 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         os.link(source.roots["A"] / rel, small / rel)
     # what the refresh from the small cache to B writes (appended pixels, index, state, paths)
     build_cache(small, tmp_path / "measure", workers=1)
-    need = build_cache(source.roots["B"], tmp_path / "measure", workers=1).written_bytes
+    need = build_cache(
+        source.roots["B"], tmp_path / "measure", workers=1, source_moved=True
+    ).written_bytes
     with tmpfs(tmp_path / "disk", "12m") as disk:
         cache = disk / "cache"
 
@@ -67,7 +69,9 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
             _fill(disk, leave)
             try:
                 # force: past the free-space check before the build, to the disk filling up
-                build_cache(source.roots["B"], cache, workers=workers, force=True)
+                build_cache(
+                    source.roots["B"], cache, workers=workers, source_moved=True, force=True
+                )
             except InsufficientSpaceError as e:
                 assert "disk is full" in str(e) and "previous cache" in str(e)
                 assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
@@ -85,7 +89,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
         assert outcomes["refused"] >= 2
         _fill(disk, 0)  # without force, the free-space check refuses before writing anything
         with pytest.raises(InsufficientSpaceError, match="free some space"):
-            build_cache(source.roots["B"], cache, workers=workers)
+            build_cache(source.roots["B"], cache, workers=workers, source_moved=True)
         assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
         (disk / "filler").unlink()
         assert len(MemmapImageDataset(cache, on_stale="ignore")) == 20
@@ -110,7 +114,7 @@ def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally
         def with_garbage() -> dict[str, bytes]:
             shutil.rmtree(cache, ignore_errors=True)
             build_cache(versions["A"], cache, workers=1)
-            build_cache(versions["B"], cache, workers=1, compact_at=1.0)
+            build_cache(versions["B"], cache, workers=1, source_moved=True, compact_at=1.0)
             assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
             return {p.name: p.read_bytes() for p in cache.iterdir()}
 
@@ -170,7 +174,7 @@ def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         try:
             with pytest.raises(DestinationError, match="cannot write the cache here"):
-                build_cache(source.roots["B"], cache, workers=1)
+                build_cache(source.roots["B"], cache, workers=1, source_moved=True)
             assert served_by(cache, source, {"A"}) == "A"  # reading needs no write
             tally["read-only destinations survived"] += 1
         finally:

@@ -85,7 +85,7 @@ def test_kill_9_during_a_refresh_leaves_the_old_cache_or_the_new(source, tmp_pat
     tally["kills survived"] += KILLS
     tally["kills: refresh"] += KILLS
     tally["kills: refresh, appending"] += kills["appending"]
-    build_cache(source.roots["A"], cache, workers=1)
+    build_cache(source.roots["A"], cache, workers=1, source_moved=True)
     assert served_by(cache, source, {"A"}) == "A"
     assert len([n for n in os.listdir(cache) if n.endswith(".bin")]) == 4
 
@@ -99,7 +99,7 @@ def test_kill_9_during_a_compaction_leaves_the_cache_as_it_was(source, tmp_path,
         # garbage to compact: a refresh to the other version, appended (compact_at 1: never
         # compacting by itself)
         target = "B" if kills % 2 == 0 else "A"
-        build_cache(source.roots[target], cache, workers=1, compact_at=1.0)
+        build_cache(source.roots[target], cache, workers=1, source_moved=True, compact_at=1.0)
         assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
         point = build_point(rng, cache)
         proc = popen("-m", "mmcache", "compact", str(cache))

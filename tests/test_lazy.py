@@ -28,6 +28,7 @@ from mmcache import (
     InsufficientSpaceError,
     MemmapImageDataset,
     OptionsChangedError,
+    SourceChangedError,
     StaleCacheWarning,
     build_cache,
     create_lazy_cache,
@@ -531,3 +532,48 @@ def test_a_lazy_cache_refuses_to_start_without_the_free_space(tmp_path):
         codes = _codes(cache)
         assert codes[0] == fmt.FILLED and fmt.EMPTY in codes[1:]
         assert set(codes[1:]) <= {fmt.FILLED, fmt.EMPTY}
+
+
+def test_a_truncated_jpeg_is_refused_when_filled_unless_kept(tmp_path):
+    """The lazy fill follows the build's policy: a JPEG cut short is bad ("truncated") by
+    default, and kept, as decoded, with keep_truncated=True."""
+    root = make_folder(tmp_path / "cut", {"a": [(60, 40)] * 2})
+    data = (root / "a" / "img_001.jpg").read_bytes()
+    (root / "a" / "img_001.jpg").write_bytes(data[: len(data) // 2])
+    ds = MemmapImageDataset(tmp_path / "cache", source=root)
+    assert ds.read(0).shape == (40, 60, 3)
+    with pytest.raises(DecodeError, match=r"img_001\.jpg: truncated"):
+        ds.read(1)
+    assert _codes(tmp_path / "cache")[1] == fmt.BAD_TRUNCATED
+    report = build_cache(root, tmp_path / "cache", workers=1)
+    assert [(s["path"], s["reason"].split(":")[0]) for s in report.skipped] == [
+        ("a/img_001.jpg", "truncated")
+    ]
+    kept = MemmapImageDataset(tmp_path / "kept", source=root, keep_truncated=True)
+    assert np.array_equal(kept.read(1), decode_image(root / "a" / "img_001.jpg"))
+
+
+def test_lazy_mode_refuses_another_source_unless_replaced_or_moved(src, tmp_path):
+    cache = tmp_path / "cache"
+    MemmapImageDataset(cache, source=src)[0]
+    other = shutil.copytree(src, tmp_path / "other")  # the same files, mtimes kept
+    with pytest.raises(SourceChangedError) as e:
+        MemmapImageDataset(cache, source=other)
+    assert f"made from {src.resolve()}; this build's source is {other.resolve()}" in str(e.value)
+    assert fmt.read_manifest(cache).source["root"] == str(src.resolve())
+    moved = MemmapImageDataset(cache, source=other, source_moved=True)
+    assert fmt.read_manifest(cache).source["root"] == str(other.resolve())
+    assert _codes(cache)[0] == fmt.FILLED and len(moved) == 24  # its filled record kept
+    MemmapImageDataset(cache, source=src, replace=True)
+    assert fmt.read_manifest(cache).source["root"] == str(src.resolve())
+
+
+def test_a_broken_symlink_is_named_as_one_when_read(src, tmp_path):
+    os.symlink("nowhere.jpg", src / "cat" / "gone.jpg")
+    # size=: the record needs no header, so the link gets one, found bad when it is read
+    ds = MemmapImageDataset(tmp_path / "cache", source=src, size=(8, 8))
+    i = [p for p, _ in ds.samples].index(str(src.resolve() / "cat" / "gone.jpg"))
+    with pytest.raises(DecodeError, match=r"gone\.jpg: a broken symbolic link: it points to"):
+        ds.read(i)
+    with pytest.raises(DecodeError, match=r"gone\.jpg: a broken symbolic link"):  # from its state
+        MemmapImageDataset(tmp_path / "cache").read(i)

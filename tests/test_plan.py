@@ -106,11 +106,12 @@ def test_plan_bytes_on_the_real_test_images(testimages, tmp_path, policy):
     plan = plan_cache(testimages, **policy)
     assert plan.unreadable == ["broken.png"]  # no header: decoded (and here skipped) by the build
     report = build_cache(testimages, tmp_path / "cache", workers=1, **policy)
-    assert [s["path"] for s in report.skipped] == ["broken.png"]
+    # truncated_jpeg.jpg's header is sound: it has a planned record, skipped as "truncated"
+    assert [s["path"] for s in report.skipped] == ["broken.png", "truncated_jpeg.jpg"]
     m = fmt.read_manifest(tmp_path / "cache")
     assert plan.data_bytes == m.sizes["data"]
-    # The plan counted broken.png's record; the build dropped it from the index.
-    assert plan.build.sizes["index"] == m.sizes["index"] + fmt.INDEX_DTYPE.itemsize
+    # The plan counted both files' records; the build dropped them from the index.
+    assert plan.build.sizes["index"] == m.sizes["index"] + 2 * fmt.INDEX_DTYPE.itemsize
 
 
 def test_plan_names_too_large_files_and_an_up_to_date_cache(small_folder, tmp_path):

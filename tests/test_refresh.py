@@ -189,7 +189,7 @@ def test_a_cache_of_format_1_1_is_read_and_refreshed_into_2_0(tmp_path):
     files = files_of(old)
     for i in range(files.manifest.count):
         os.utime(src / files.path(i), ns=(0, int(files.index["source_mtime_ns"][i])))
-    report = build_cache(src, old, workers=0)
+    report = build_cache(src, old, workers=0, source_moved=True)
     assert report.appended and (report.decoded, report.reused) == (0, 4)
     new = fmt.read_manifest(old)
     assert new.format_version == fmt.RGB_FORMAT_VERSION and new.shares_data

@@ -177,3 +177,25 @@ def test_a_single_image_as_the_source_says_so(tmp_path, name):
     path = path.rename(tmp_path / name)
     with pytest.raises(SourceError, match=r"is an image( \(JPEG\))?, not a folder or a list"):
         scan_source(path)
+
+
+def test_a_file_linked_from_one_class_folder_into_another_is_listed_twice_and_said(tmp_path):
+    write_image(tmp_path / "cat" / "a.jpg", 8, 8)
+    write_image(tmp_path / "cat" / "b.jpg", 8, 8)
+    write_image(tmp_path / "dog" / "c.jpg", 8, 8)
+    os.symlink("../cat/a.jpg", tmp_path / "dog" / "a.jpg")  # one image, two labels
+    os.symlink("b.jpg", tmp_path / "cat" / "b2.jpg")  # a link within a class: no label doubt
+    listing = scan_source(tmp_path)
+    # kept under both labels, as torchvision's ImageFolder lists it
+    assert listing.paths == ["cat/a.jpg", "cat/b.jpg", "cat/b2.jpg", "dog/a.jpg", "dog/c.jpg"]
+    assert [w["path"] for w in listing.warnings] == ["dog/a.jpg"]
+    reason = listing.warnings[0]["reason"]
+    assert reason.startswith("the same file as cat/a.jpg") and "'cat' and 'dog'" in reason
+    assert "\n" not in reason
+
+
+def test_a_folder_linked_into_another_class_is_said_for_each_file(tmp_path):
+    write_image(tmp_path / "cat" / "a.jpg", 8, 8)
+    write_image(tmp_path / "dog" / "c.jpg", 8, 8)
+    os.symlink("../cat", tmp_path / "dog" / "cats")
+    assert [w["path"] for w in scan_source(tmp_path).warnings] == ["dog/cats/a.jpg"]
