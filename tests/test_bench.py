@@ -186,7 +186,11 @@ def test_the_training_table_runs_every_row_and_says_why_ffcv_did_not(
         if key != "ffcv":
             assert len(row["epoch_seconds"]) == 2 and row["images"] == 12, key
     names = [t["name"] for t in data["targets"]]
-    assert len(names) == 4 and "BatchLoader(crop) / FFCV Loader" in names
+    assert len(names) == 8 and "BatchLoader(crop) / FFCV Loader" in names
+    targets = {t["name"]: t for t in data["targets"]}
+    # the yuv420 rows read a second cache of the same images, half the bytes
+    assert targets["yuv420 cache bytes / rgb cache bytes"]["passed"] is True
+    assert targets["BatchLoader(crop): yuv420 / rgb cache"]["value"] > 0
     ffcv_target = next(t for t in data["targets"] if t["name"].endswith("FFCV Loader"))
     assert ffcv_target["passed"] is None  # not measured, not failed
     md = (out / "results.md").read_text()

@@ -72,7 +72,7 @@ def workdir():
             os.rmdir(folder)
     else:
         pytest.skip("no temporary folder on a block device")
-    ltr.prepare(folder, 0.01)
+    ltr.prepare(folder, 0.01, yuv420=True)
     yield folder
     subprocess.run(["rm", "-rf", str(folder)], check=True)
 
@@ -84,7 +84,7 @@ def _tool(workdir: Path, *args: str) -> list[str]:
 
 def test_a_run_prints_the_profile_and_allowance_and_leaves_no_cgroup(workdir):
     before = _groups()
-    args = ["--storage", "cloud-volume", "--loaders", "batch", "--rows", "random,quasi"]
+    args = ["--storage", "cloud-volume", "--loaders", "batch", "--rows", "random,quasi,yuv420"]
     run = subprocess.run(_tool(workdir, *args), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
@@ -92,6 +92,10 @@ def test_a_run_prints_the_profile_and_allowance_and_leaves_no_cgroup(workdir):
     assert "page cache allowed" in out and "throttle check" in out
     assert f"command: python tools/larger_than_ram.py --workdir {workdir}" in out
     assert "| mmcache, random order |" in out and "| mmcache, QuasiRandomSampler" in out
+    # the yuv420 row reads its own cache, half the bytes, and its targets are printed
+    assert "| mmcache, yuv420 cache of the same images, random order |" in out
+    assert "yuv420 cache: " in out and "(0.50x)" in out
+    assert "batch: yuv420 cache / random, epoch 1 >= 1.5x" in out
     assert _groups() == before
 
 

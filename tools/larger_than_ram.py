@@ -30,7 +30,10 @@ share is checked. Rows:
 - ``random``: mmcache, a random order;
 - ``quasi``: mmcache, ``QuasiRandomSampler`` (with its read-ahead);
 - ``quasi-noprefetch``: the same order without read-ahead;
-- ``warm``: ``warm_cache`` inside the group (it stops at the group's limit), then a random order.
+- ``warm``: ``warm_cache`` inside the group (it stops at the group's limit), then a random order;
+- ``yuv420``: a random order from a third and fourth cache of the same images built with
+  ``--pixels yuv420`` (half the bytes), under the same limit as the RGB rows. With
+  ``--limit-ratio 0.625`` the RGB cache is 1.6x the page cache allowed and the yuv420 cache fits.
 
 For each row and epoch it prints images per second, the MB and the number of reads the disk
 served (the blkio group's ``io_service_bytes`` and ``io_serviced``) and the CPU time of the
@@ -67,6 +70,7 @@ ROWS = {
     "quasi": "mmcache, QuasiRandomSampler",
     "quasi-noprefetch": "mmcache, QuasiRandomSampler without read-ahead",
     "warm": "mmcache after `warm`, random order",
+    "yuv420": "mmcache, yuv420 cache of the same images, random order",
 }
 LOADERS = {
     "dataloader": "DataLoader(MemmapImageDataset), 224x224 cache",
@@ -103,7 +107,7 @@ def measure(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     row, kind = args.measure, args.loader
-    cache = Path(args.workdir) / ("cache-256" if kind == "crop" else "cache-224")
+    cache = Path(args.workdir) / cache_name(kind, yuv420=row == "yuv420")
     ds = MemmapImageDataset(cache, on_stale="ignore")
     out: dict = {"row": row, "loader": kind, "images": len(ds)}
     if row == "warm":
@@ -277,8 +281,14 @@ def throttle_check(args: argparse.Namespace) -> None:
 # the parent: data, cgroups, rows -------------------------------------------------------------
 
 
-def prepare(workdir: Path, gb: float) -> dict:
-    """Source JPEGs and the two caches of about ``gb`` GB each; reused when already there."""
+def cache_name(loader: str, yuv420: bool = False) -> str:
+    """The folder, in --workdir, of the cache that ``loader``'s rows read."""
+    return ("cache-256" if loader == "crop" else "cache-224") + ("-yuv420" if yuv420 else "")
+
+
+def prepare(workdir: Path, gb: float, yuv420: bool = False) -> dict:
+    """Source JPEGs and the two caches of about ``gb`` GB each (and their yuv420 twins, if
+    ``yuv420``); reused when already there."""
     from mmcache import build_cache
     from mmcache.sample_data import make_image_folder
 
@@ -306,6 +316,8 @@ def prepare(workdir: Path, gb: float) -> dict:
         stamp.write_text(json.dumps(want))
     files = sorted(src.rglob("*.jpg"))
     build_cache(src, workdir / "cache-224", size=(224, 224))
+    if yuv420:
+        build_cache(src, workdir / cache_name("batch", True), size=(224, 224), pixels="yuv420")
     # The shorter-side-256 cache from as many of the same JPEGs (every class, in listing order)
     # as make about gb GB: its records are about twice the 224x224 ones.
     per_file = sum(_short_side_256(w, h) for w, h in SHAPES) / len(SHAPES)
@@ -316,6 +328,8 @@ def prepare(workdir: Path, gb: float) -> dict:
     if not listing.exists() or listing.read_text() != text:
         listing.write_text(text)
     build_cache(listing, workdir / "cache-256", short_side=256)
+    if yuv420:
+        build_cache(listing, workdir / cache_name("crop", True), short_side=256, pixels="yuv420")
     return {"src": src, "jpegs": files}
 
 
@@ -501,10 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     device, disk = block_device(workdir)
-    data = prepare(workdir, args.gb)
-    caches = {k: workdir / ("cache-256" if k == "crop" else "cache-224") for k in LOADERS}
+    data = prepare(workdir, args.gb, yuv420="yuv420" in rows)
+    caches = {k: workdir / cache_name(k) for k in LOADERS}
     cache_files = {k: sorted(c.iterdir()) for k, c in caches.items()}
     everything = data["jpegs"] + cache_files["batch"] + cache_files["crop"]
+    if "yuv420" in rows:
+        everything += [f for k in ("batch", "crop") for f in cache_files_of(caches[k], True)]
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
@@ -579,7 +595,8 @@ def run_rows(args, rows, loaders, caches, everything, memory_group, blkio_group,
             # unused is page cache; each row's table line says how much the page cache held).
             limit = int(overhead * 1.05) + (16 << 20) + allowance
             drop_caches(everything)
-            cold = resident_share(cache_files_of(caches[kind])), resident_share(everything)
+            read = cache_files_of(caches[kind], yuv420=row == "yuv420")
+            cold = resident_share(read), resident_share(everything)
             memory_group.write("memory.limit_in_bytes", str(limit))
             result = child(extra) | {"overhead": overhead, "limit": limit, "cold": cold}
             report["rows"].append(result)
@@ -587,7 +604,10 @@ def run_rows(args, rows, loaders, caches, everything, memory_group, blkio_group,
     return report
 
 
-def cache_files_of(cache: Path) -> list[Path]:
+def cache_files_of(cache: Path, yuv420: bool = False) -> list[Path]:
+    """The files of ``cache``, or of its yuv420 twin."""
+    if yuv420:
+        cache = cache.with_name(cache.name + "-yuv420")
     return sorted(cache.iterdir())
 
 
@@ -714,6 +734,22 @@ def print_report(args, report, profile, iops, bps, device, disk, data, caches) -
             f"{', '.join(sorted(colds))}"
         )
         last = args.epochs - 1
+        if "yuv420" in rate:
+            yuv_bytes = MemmapImageDataset(
+                cache_files_of(caches[kind], True)[0].parent, on_stale="ignore"
+            ).manifest.sizes["data"]
+            print(f"yuv420 cache: {yuv_bytes / MB:,.0f} MB ({yuv_bytes / cache_bytes:.2f}x)")
+            # Where the disk is the limit, half the bytes must show; on local disk, no loss.
+            want = 1.0 if profile == "local" else 1.5
+            for base, need in (("random", want), ("decode", 1.0)):
+                if base in rate:
+                    targets.append(
+                        (
+                            f"{kind}: yuv420 cache / {base}, epoch {last + 1}",
+                            rate["yuv420"][last] / rate[base][last],
+                            need,
+                        )
+                    )
         if "quasi" in rate and "random" in rate:
             targets.append(
                 (

@@ -1,13 +1,15 @@
-"""The training table: RandomResizedCrop + flip into batches, five ways on the same images.
+"""The training table: RandomResizedCrop + flip into batches, seven ways on the same images.
 
 Decode + crop in a DataLoader (what ImageFolder users run), the cache with the same per-sample
 crop in a DataLoader, FFCV's Loader (in its own environment), a plain loop of threads that
-resize each crop box into one reused buffer, and ``BatchLoader(crop)``.
+resize each crop box into one reused buffer, and ``BatchLoader(crop)``; then the DataLoader and
+``BatchLoader`` rows again from a second cache of the same images stored as YUV 4:2:0.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 import warnings
@@ -33,14 +35,18 @@ TRAINING_ROWS = {
     "ffcv": "FFCV Loader, RAW records, RandomResizedCropRGBImageDecoder + flip + ToTensor",
     "thread_loop": "a plain loop in 2 threads: resize each crop box into one reused buffer",
     "batch_loader_crop": "mmcache BatchLoader(crop=RandomResizedCrop, flip=True)",
+    "mmcache_crop_yuv420": "MemmapImageDataset + per-sample crop in a DataLoader, yuv420 cache",
+    "batch_loader_crop_yuv420": "mmcache BatchLoader(crop, flip) from a yuv420 cache",
 }
-# Run in turns, epoch by epoch, since their ratio is a target.
-ALTERNATED_ROWS = ("thread_loop", "batch_loader_crop")
+# Run in turns, epoch by epoch, since their ratios are targets.
+ALTERNATED_ROWS = ("thread_loop", "batch_loader_crop", "batch_loader_crop_yuv420")
+# The rows that read the second cache, built with pixels="yuv420" from the same images.
+YUV420_ROWS = ("mmcache_crop_yuv420", "batch_loader_crop_yuv420")
 
 
 @dataclass
 class TrainingReport:
-    """The training-pipeline table: the same crops of the same images, five ways."""
+    """The training-pipeline table: the same crops of the same images, seven ways."""
 
     settings: dict
     rows: list[MethodResult] = field(default_factory=list)
@@ -62,7 +68,12 @@ class TrainingReport:
             f"{s['images']:,} images stored at shorter side {s['short_side']}, "
             f"RandomResizedCrop({s['size']}) + flip, batch {s['batch_size']}, "
             f"{s['workers']} workers or threads, {s['epochs']} epochs; the plain thread loop "
-            "and BatchLoader(crop) run in turns, epoch by epoch.",
+            "and the BatchLoader(crop) rows run in turns, epoch by epoch.",
+            *(
+                [f"Cache bytes: yuv420 {s['yuv420_bytes']:,}, rgb {s['rgb_bytes']:,}."]
+                if "yuv420_bytes" in s
+                else []
+            ),
             "",
             *lines,
         ]
@@ -87,15 +98,17 @@ def run_training_bench(
     on_event: EventFn | None = None,
     **settings,
 ) -> TrainingReport:
-    """Time RandomResizedCrop + flip into batches five ways on the same images, in one run.
+    """Time RandomResizedCrop + flip into batches seven ways on the same images, in one run.
 
     The images (``source``, or ``images`` generated JPEGs of ``image_size``) are cached at
     shorter side ``short_side``; every row crops ``size`` x ``size`` boxes with torchvision's
     box sampling and antialiased bilinear resize (FFCV: its own crop decoder), flips half, and
     is timed over ``epochs`` epochs of ``batch_size``, with ``workers`` DataLoader workers or
     threads. FFCV runs in its own environment (tools/setup_ffcv.sh), on the cache's pixels.
-    The plain thread loop and ``BatchLoader(crop)``, whose ratio is a target, run in turns.
-    ``settings`` are the fields of ``TrainingSettings``; ``rows`` keys of ``TRAINING_ROWS``.
+    The plain thread loop and the ``BatchLoader(crop)`` rows, whose ratios are targets, run in
+    turns. The yuv420 rows read a second cache of the same images built with
+    ``pixels="yuv420"``. ``settings`` are the fields of ``TrainingSettings``; ``rows`` keys of
+    ``TRAINING_ROWS``.
     """
     rows = list(TRAINING_ROWS) if rows is None else rows
     check_keys(rows, TRAINING_ROWS, "row")
@@ -111,9 +124,13 @@ class TrainingRun:
         source = settings.source
         if source is None:
             source = settings.generate(workdir / "training-images", settings.seed + 1)
+        self.source = source
         self.cache = workdir / f"cache-short-{settings.short_side}"
-        build_cache(source, self.cache, short_side=settings.short_side, replace=True)
+        self.rgb_bytes = build_cache(
+            source, self.cache, short_side=settings.short_side, replace=True
+        ).bytes
         self.ds = MemmapImageDataset(self.cache, on_stale="ignore")
+        self._yuv_ds: MemmapImageDataset | None = None
         self.crop = mmcache.RandomResizedCrop(settings.size)
         self.per_sample = mmcache.Compose([self.crop, mmcache.RandomHorizontalFlip()])
         self.threads = max(1, settings.workers)  # the thread rows' counterpart of the workers
@@ -124,6 +141,20 @@ class TrainingRun:
             "batch_size": s.batch_size, "workers": s.workers, "epochs": s.epochs,
             "stored": stored,
         })  # fmt: skip
+
+    @property
+    def yuv_cache(self) -> Path:
+        return self.workdir / f"cache-short-{self.s.short_side}-yuv420"
+
+    @property
+    def yuv_ds(self) -> MemmapImageDataset:
+        """The same images cached as YUV 4:2:0, built on first use."""
+        if self._yuv_ds is None:
+            built = build_cache(self.source, self.yuv_cache, short_side=self.s.short_side,
+                                pixels="yuv420", replace=True)  # fmt: skip
+            self.report.settings.update(yuv420_bytes=built.bytes, rgb_bytes=self.rgb_bytes)
+            self._yuv_ds = MemmapImageDataset(self.yuv_cache, on_stale="ignore")
+        return self._yuv_ds
 
     def run(self, rows: list[str]) -> TrainingReport:
         results: dict[str, MethodResult] = {}
@@ -149,8 +180,9 @@ class TrainingRun:
         if key == "decode_crop":
             dataset = DecodingDataset(self.ds.samples, transform=self.per_sample)
             row.epoch_seconds = self._dataloader(dataset)
-        elif key == "mmcache_crop":
-            dataset = MemmapImageDataset(self.cache, transform=self.per_sample)
+        elif key in ("mmcache_crop", "mmcache_crop_yuv420"):
+            cache = self.cache if key == "mmcache_crop" else self.yuv_ds and self.yuv_cache
+            dataset = MemmapImageDataset(cache, transform=self.per_sample)
             row.epoch_seconds = self._dataloader(dataset)
         else:
             from ffcv_bench import run_ffcv_peer
@@ -179,7 +211,8 @@ class TrainingRun:
         return results
 
     def _epoch_runner(self, key: str, pool: ThreadPoolExecutor) -> Callable[[], float]:
-        s, ds = self.s, self.ds
+        s = self.s
+        ds = self.yuv_ds if key in YUV420_ROWS else self.ds
         if key == "thread_loop":
             return crop_thread_loop(ds, self.crop, s.batch_size, pool, self.threads, s.seed)
         loader = mmcache.BatchLoader(ds, s.batch_size, shuffle=True, seed=s.seed, crop=self.crop,
@@ -245,7 +278,22 @@ def training_targets(report: TrainingReport) -> list[Target]:
         return rate_of(report.rows, key)
 
     bl, ffcv, decode = rate("batch_loader_crop"), rate("ffcv"), rate("decode_crop")
+    yuv = rate("batch_loader_crop_yuv420")
+    s = report.settings
     return [
+        Target(
+            "yuv420 cache bytes / rgb cache bytes",
+            s.get("yuv420_bytes", math.nan) / s.get("rgb_bytes", math.nan),
+            0.52,
+            higher_is_better=False,
+        ),
+        Target("BatchLoader(crop): yuv420 / rgb cache", yuv / bl, 0.8),
+        Target("BatchLoader(crop) from yuv420 / FFCV Loader", yuv / ffcv, 1.5),
+        Target(
+            "MemmapImageDataset + crop: yuv420 / rgb cache (DataLoaders)",
+            rate("mmcache_crop_yuv420") / rate("mmcache_crop"),
+            0.8,
+        ),
         Target("BatchLoader(crop) / FFCV Loader", bl / ffcv, 1.5),
         Target("BatchLoader(crop) / decode + crop in a DataLoader", bl / decode, 10.0),
         Target("BatchLoader(crop) / the plain thread loop", bl / rate("thread_loop"), 0.9),
