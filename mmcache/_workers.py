@@ -30,6 +30,7 @@ import numpy as np
 
 from . import format as fmt
 from ._feedback import ProgressFn
+from ._files import write_pixels
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
 
@@ -398,7 +399,7 @@ def _decode_job(
         return i, code, 0, message, None
     if pixels.shape != shape:
         return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
-    fmt.write_pixels(fd, pixels, offset)
+    write_pixels(fd, pixels, offset)
     return i, fmt.FILLED, crc, message, None
 
 

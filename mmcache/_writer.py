@@ -15,15 +15,27 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from . import _generation as generation
 from . import format as fmt
 from ._feedback import ProgressFn, human_bytes
+from ._files import copy_range, create_data_file, extend_data_file, write_pixels
+from ._generation import (
+    index_records,
+    open_existing,
+    prepare_folder,
+    remove_stale_generations,
+    retire,
+    write_generation,
+    write_manifest,
+    writer_lock,
+)
 from ._layout import Layout, append_layout, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
@@ -33,7 +45,6 @@ from .scan import Listing, scan_source
 from .space import (
     check_free_space,
     disk_bytes,
-    disk_full_error,
     free_bytes,
     generation_sizes,
 )
@@ -149,15 +160,15 @@ def session(request: BuildRequest) -> Iterator[Session]:
     source, opts = request.source, request.options
     listing = source if isinstance(source, Listing) else scan_source(source)
     folder = Path(request.cache).expanduser().absolute()
-    created = fmt.prepare_folder(folder)
+    created = prepare_folder(folder)
     try:
-        with fmt.writer_lock(folder):
-            previous = fmt.open_existing(folder)
+        with writer_lock(folder):
+            previous = open_existing(folder)
             if previous is not None and not request.replace:
                 refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
-            fmt.remove_stale_generations(folder, previous)
+            remove_stale_generations(folder, previous)
             current = fingerprints(listing, opts)
             wanted = current
             if previous is not None:
@@ -197,7 +208,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     )
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
-        fmt.write_manifest(m)
+        write_manifest(m)
     return report
 
 
@@ -328,10 +339,10 @@ def allocate(s: Session) -> Generation:
     check_free_space(s.folder, disk_bytes(generation_sizes(records, new_bytes)), request.force)
     with discarded_on_failure(g):
         if appending:
-            fmt.extend_data_file(g.data_path, layout.data_bytes)
+            extend_data_file(g.data_path, layout.data_bytes)
             g.reused = _keep_in_place(previous, kept or {}, g.crcs, g.state)
         else:
-            fmt.create_data_file(g.data_path, layout.data_bytes)
+            create_data_file(g.data_path, layout.data_bytes)
             reuse = _reusable(previous, listing, s.wanted)
             g.reused, g.copied_bytes = _copy_reused(
                 previous, reuse, layout, g.data_path, g.crcs, g.state
@@ -343,28 +354,16 @@ def allocate(s: Session) -> Generation:
     return g
 
 
-@contextmanager
-def discarded_on_failure(g: Generation) -> Iterator[None]:
-    """Delete the new generation's files if anything fails (or is interrupted) inside, unless
-    it failed after publishing them (``publish`` runs inside, so that a disk that fills up while
-    the manifest is written discards the new generation and reads as InsufficientSpaceError)."""
-    try:
-        yield
-    except BaseException as e:
-        if fmt.published_generation(g.folder) == g.gen:  # failed after the commit point
-            raise
-        fmt.remove_generation(g.folder, g.gen)
-        if g.appended_after is not None:  # what was appended to the shared data file
-            fmt.cut_data_file(g.data_path, g.appended_after)
-        full = disk_full_error(
-            e,
-            g.folder,
-            f"the cache needs {g.layout.data_bytes:,} bytes of pixels. Nothing was published; "
-            "the previous cache, if any, is intact",
-        )
-        if full is not None:
-            raise full from None
-        raise
+def discarded_on_failure(g: Generation) -> AbstractContextManager[None]:
+    """``_generation.discarded_on_failure`` for ``g``: its files go if anything fails inside
+    (``publish`` may run inside), and what it appended to a shared data file is cut off."""
+    return generation.discarded_on_failure(
+        g.folder,
+        g.gen,
+        f"the cache needs {g.layout.data_bytes:,} bytes of pixels. Nothing was published; "
+        "the previous cache, if any, is intact",
+        None if g.appended_after is None else (g.data_path, g.appended_after),
+    )
 
 
 def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
@@ -401,7 +400,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     warnings = [
         {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
     ]
-    index, paths_blob = fmt.index_records(
+    index, paths_blob = index_records(
         offsets[keep],
         layout.shapes[keep],
         listing.labels[keep],
@@ -411,9 +410,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     records = np.zeros(len(keep), fmt.STATE_DTYPE)
     records["crc32"], records["state"] = g.crcs[keep], state[keep]
-    sizes = fmt.write_generation(
-        g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen
-    )
+    sizes = write_generation(g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen)
     manifest = fmt.Manifest(
         path=g.folder,
         generation=g.gen,
@@ -476,9 +473,9 @@ def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
     files (its data file only if the new one does not share it). ``s``: the build's session,
     or the cache files a repair replaces."""
     previous = s if isinstance(s, fmt.CacheFiles) else s.previous
-    fmt.write_manifest(manifest)
+    write_manifest(manifest)
     if previous is not None:
-        fmt.retire(previous.manifest, manifest)
+        retire(previous.manifest, manifest)
 
 
 class _NothingRepaired(Exception):
@@ -541,7 +538,7 @@ def redecode(
     failed: dict[int, str] = {}
     try:
         with discarded_on_failure(g):
-            fmt.extend_data_file(g.data_path, layout.data_bytes)
+            extend_data_file(g.data_path, layout.data_bytes)
             g.state[todo] = fmt.EMPTY
             g.record(decode_records(g.jobs(todo), g.data_path, options, workers, progress))
             for i in todo:
@@ -562,7 +559,7 @@ def redecode(
             index["height"], index["width"], index["channels"] = layout.shapes.T
             state = np.zeros(n, fmt.STATE_DTYPE)
             state["crc32"], state["state"] = g.crcs, g.state
-            sizes = fmt.write_generation(
+            sizes = write_generation(
                 g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen
             )
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -684,7 +681,7 @@ def _copy_reused(
             if shape != tuple(int(v) for v in layout.shapes[i]):
                 continue  # the header now predicts another size: decode it again
             nbytes = shape[0] * shape[1] * shape[2]
-            fmt.copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
+            copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
             crcs[i] = previous.state[j]["crc32"]
             state[i] = fmt.FILLED
             count += 1
@@ -710,7 +707,7 @@ def _append_overflow(
             pixels = overflow[i]
             layout.shapes[i] = pixels.shape
             offsets[i] = end
-            fmt.write_pixels(fd, pixels, end)
+            write_pixels(fd, pixels, end)
             data_bytes = end + pixels.nbytes
             end = fmt.aligned(data_bytes)
     finally:
@@ -724,9 +721,9 @@ def compact(cache: str | os.PathLike) -> BuildReport:
     start = time.perf_counter()
     folder = Path(cache).expanduser().absolute()
     fmt.read_manifest(folder)  # no cache there: its error, before anything else
-    with fmt.writer_lock(folder):
+    with writer_lock(folder):
         files = fmt.read_cache_files(fmt.read_manifest(folder))
-        fmt.remove_stale_generations(folder, files)
+        remove_stale_generations(folder, files)
         m = files.manifest
         nbytes = fmt.record_nbytes(files.index)
         offsets, data_bytes = fmt.layout_offsets(nbytes)
@@ -738,26 +735,21 @@ def compact(cache: str | os.PathLike) -> BuildReport:
             advice="free some space there; the cache is unchanged (a compaction writes the "
             "compact data file beside the current one)",
         )
-        try:
-            fmt.create_data_file(folder / fmt.file_name("data", gen), data_bytes)
+        with generation.discarded_on_failure(
+            folder, gen, "nothing was published; the cache is intact"
+        ):
+            create_data_file(folder / fmt.file_name("data", gen), data_bytes)
             copied = _copy_filled(files, offsets, folder / fmt.file_name("data", gen))
             index = files.index.copy()
             index["offset"] = offsets
-            sizes = fmt.write_generation(
+            sizes = write_generation(
                 folder, gen, index, files.state.copy(), files.paths_blob, data_bytes
             )
             extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,
                                        "sizes": sizes, "extra": extra})  # fmt: skip
-            fmt.write_manifest(manifest)
-        except BaseException as e:
-            if fmt.published_generation(folder) != gen:
-                fmt.remove_generation(folder, gen)
-                full = disk_full_error(e, folder, "nothing was published; the cache is intact")
-                if full is not None:
-                    raise full from None
-            raise
-        fmt.retire(m, manifest)
+            write_manifest(manifest)
+        retire(m, manifest)
     codes = files.state["state"]
     return BuildReport(
         cache=folder,
@@ -781,7 +773,7 @@ def _copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) ->
     dst = os.open(data_path, os.O_WRONLY)
     try:
         for i in filled.tolist():
-            fmt.copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
+            copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
         os.fsync(dst)
     finally:
         os.close(src)

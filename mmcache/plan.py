@@ -20,6 +20,7 @@ import psutil
 
 from . import format as fmt
 from ._feedback import ProgressFn
+from ._generation import open_existing
 from ._layout import layout_from_sizes, probe_sizes
 from .decode import Options
 from .scan import Listing, scan_source
@@ -230,7 +231,7 @@ def _same_shapes(a: Options, b: Options) -> bool:
 
 def _existing(folder: Path | None, listing: Listing, opts: Options) -> tuple[int, bool]:
     """Bytes of the cache at ``folder`` (0 if none), and whether a build would leave it as is."""
-    files = None if folder is None else fmt.open_existing(folder)
+    files = None if folder is None else open_existing(folder)
     if files is None:
         return 0, False
     m = files.manifest

@@ -21,6 +21,7 @@ import numpy as np
 from . import _writer as writer
 from . import format as fmt
 from ._feedback import ProgressFn
+from ._generation import remove_stale_generations, writer_lock
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 
@@ -197,9 +198,9 @@ def repair_cache(
     start = time.perf_counter()
     folder = Path(cache).expanduser().absolute()
     fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
-    with fmt.writer_lock(folder):
+    with writer_lock(folder):
         files = fmt.open_cache(folder)
-        fmt.remove_stale_generations(folder, files)
+        remove_stale_generations(folder, files)
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)
