@@ -14,6 +14,8 @@ import fcntl
 import json
 import logging
 import os
+import secrets
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -23,18 +25,21 @@ import numpy as np
 from ._files import cut_data_file, fsync_dir
 from .errors import CacheError, DestinationError, NotACacheError
 from .format import (
+    BAD_REASONS,
+    DATA_ALIGN,
     FILE_KINDS,
+    FILLED,
     INDEX_DTYPE,
     LOCK_NAME,
     MANIFEST_NAME,
     CacheFiles,
     Manifest,
-    file_crc32,
     file_name,
     is_cache_file_name,
     manifest_checksum,
     read_cache_files,
     read_manifest,
+    record_nbytes,
 )
 from .space import disk_full_error
 
@@ -230,3 +235,47 @@ def discarded_on_failure(
         if full is not None:
             raise full from None
         raise
+
+
+def new_generation() -> str:
+    return secrets.token_hex(8)
+
+
+def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
+    """zlib CRC-32 of a whole file, read in 1 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def live_bytes(offsets: np.ndarray, nbytes: np.ndarray, data_size: int) -> int:
+    """Bytes of a data file of ``data_size`` bytes that records at ``offsets`` of ``nbytes``
+    bytes cover: their pixels and the alignment padding after each (see ``mmcache.format``).
+
+    Records start on ``DATA_ALIGN`` boundaries and do not overlap, so the padding after one
+    record is never inside another and the sum counts no byte twice.
+    """
+    start = np.asarray(offsets, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    padded = -(-size // DATA_ALIGN) * DATA_ALIGN
+    return int(np.clip(np.minimum(padded, data_size - start), 0, None).sum())
+
+
+def found_bad(files: CacheFiles) -> list[dict[str, str]]:
+    """``{"path", "reason"}`` of each record in a ``BAD_*`` state: the files a lazy cache found
+    bad while filling (a build leaves such files out, listing them in ``skipped``)."""
+    codes = files.state["state"]
+    return [
+        {"path": files.path(int(i)), "reason": BAD_REASONS.get(int(codes[i]), "unknown state")}
+        for i in np.flatnonzero(codes > FILLED)
+    ]
+
+
+def garbage_bytes(files: CacheFiles) -> int:
+    """Bytes of the data file no record of this generation covers (records that refreshes
+    replaced or removed); 0 after a first build or a compaction."""
+    size = files.manifest.sizes["data"]
+    index = files.index
+    return max(0, size - live_bytes(index["offset"], record_nbytes(index), size))

@@ -27,7 +27,11 @@ from . import format as fmt
 from ._feedback import ProgressFn, human_bytes
 from ._files import copy_range, create_data_file, extend_data_file, write_pixels
 from ._generation import (
+    found_bad,
+    garbage_bytes,
     index_records,
+    live_bytes,
+    new_generation,
     open_existing,
     prepare_folder,
     remove_stale_generations,
@@ -36,7 +40,7 @@ from ._generation import (
     write_manifest,
     writer_lock,
 )
-from ._layout import Layout, append_layout, plan_layout
+from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions
@@ -68,7 +72,7 @@ class BuildReport:
     staying where they were (a refresh), rather than into a new data file (a first build, other
     options, a compaction). ``written_bytes``: what the build wrote, pixels (decoded or copied)
     and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
-    covers now (``fmt.garbage_bytes``: padding belongs to its record, so a first build or a
+    covers now (``_generation.garbage_bytes``: padding belongs to its record, so a first build or a
     compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
     took out. ``compaction_deferred``: why a refresh appended although its garbage passed
     ``compact_at`` (a compact data file would not fit on the disk), else empty.
@@ -217,7 +221,7 @@ def current_report(files: fmt.CacheFiles) -> BuildReport:
     m = files.manifest
     codes = files.state["state"]
     # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
-    bad = fmt.found_bad(files)
+    bad = found_bad(files)
     return BuildReport(
         cache=m.path,
         images=int((codes == fmt.FILLED).sum()),
@@ -317,7 +321,7 @@ def allocate(s: Session) -> Generation:
     if layout is None:
         layout = plan_layout(listing, request.options)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
-    gen = fmt.new_generation()
+    gen = new_generation()
     g = Generation(
         folder=s.folder,
         gen=gen,
@@ -443,7 +447,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         changed = sum(listing.paths[i] in old_paths for i in g.todo)
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
-    live = fmt.live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
+    live = live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
     report = BuildReport(
         cache=g.folder,
         images=int((state == fmt.FILLED).sum()),
@@ -523,13 +527,13 @@ def redecode(
     shapes = fmt.record_shapes(files.index)
     offsets = files.index["offset"].astype(np.uint64)
     # The records to decode go after the current records, each on its own aligned start.
-    start = fmt.aligned(m.sizes["data"])
-    moved, end = fmt.layout_offsets(fmt.record_nbytes(files.index)[todo])
+    start = aligned(m.sizes["data"])
+    moved, end = layout_offsets(fmt.record_nbytes(files.index)[todo])
     offsets[todo] = moved + np.uint64(start)
     layout = Layout(shapes, offsets, start + end,
                     files.state["state"].copy(), np.zeros(n, np.int64))  # fmt: skip
     g = Generation(
-        folder=m.path, gen=fmt.new_generation(), listing=listing, layout=layout,
+        folder=m.path, gen=new_generation(), listing=listing, layout=layout,
         state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
         overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
         appended_after=m.sizes["data"],
@@ -594,7 +598,7 @@ def _garbage_share(layout: Layout) -> float:
     ``layout`` (records left out have no shape there, so they cover nothing)."""
     if not layout.data_bytes:
         return 0.0
-    live = fmt.live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
+    live = live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
     return (layout.data_bytes - live) / layout.data_bytes
 
 
@@ -702,14 +706,14 @@ def _append_overflow(
     """Append records whose header did not predict their size after the planned region."""
     fd = os.open(data_path, os.O_WRONLY)
     try:
-        end = fmt.aligned(data_bytes)
+        end = aligned(data_bytes)
         for i in sorted(overflow):
             pixels = overflow[i]
             layout.shapes[i] = pixels.shape
             offsets[i] = end
             write_pixels(fd, pixels, end)
             data_bytes = end + pixels.nbytes
-            end = fmt.aligned(data_bytes)
+            end = aligned(data_bytes)
     finally:
         os.close(fd)
     return data_bytes
@@ -726,8 +730,8 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         remove_stale_generations(folder, files)
         m = files.manifest
         nbytes = fmt.record_nbytes(files.index)
-        offsets, data_bytes = fmt.layout_offsets(nbytes)
-        gen = fmt.new_generation()
+        offsets, data_bytes = layout_offsets(nbytes)
+        gen = new_generation()
         sizes = {**m.sizes, "data": data_bytes}
         check_free_space(
             folder,
@@ -759,8 +763,8 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         seconds=time.perf_counter() - start,
         pending=int((codes == fmt.EMPTY).sum()),
         written_bytes=copied + sum(v for k, v in sizes.items() if k != "data"),
-        garbage_bytes=data_bytes - fmt.live_bytes(offsets, nbytes, data_bytes),
-        dropped_garbage=fmt.garbage_bytes(files),
+        garbage_bytes=data_bytes - live_bytes(offsets, nbytes, data_bytes),
+        dropped_garbage=garbage_bytes(files),
         skipped=list(m.skipped),
     )
 

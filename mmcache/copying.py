@@ -26,6 +26,7 @@ from ._feedback import ProgressFn
 from ._files import copy_range, create_generation_file, fsync_dir
 from ._generation import (
     discarded_on_failure,
+    new_generation,
     open_existing,
     prepare_folder,
     remove_stale_generations,
@@ -144,7 +145,7 @@ def _copy_generation(
     check_free_space(  # the holes skipped take no space
         folder, disk_bytes(sizes), advice="free some space there or copy to another disk"
     )
-    gen = fmt.new_generation()
+    gen = new_generation()
     copied = 0
     with discarded_on_failure(folder, gen, "nothing was published"):
         # The state file before the data: a lazy cache being filled marks a record FILLED only

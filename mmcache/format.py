@@ -105,7 +105,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 import zlib
 from dataclasses import dataclass, field
@@ -177,21 +176,6 @@ def dtype_descr(dtype: np.dtype) -> list[list[str]]:
     return [[name, dtype.fields[name][0].str] for name in dtype.names]
 
 
-def aligned(n: int) -> int:
-    """``n`` rounded up to the next multiple of ``DATA_ALIGN``."""
-    return -(-n // DATA_ALIGN) * DATA_ALIGN
-
-
-def layout_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, int]:
-    """Offsets of records of the given byte sizes laid out in order, and the data file size."""
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    if len(sizes) == 0:
-        return np.zeros(0, np.uint64), 0
-    steps = -(-sizes // DATA_ALIGN) * DATA_ALIGN
-    offsets = np.concatenate([[0], np.cumsum(steps[:-1])]).astype(np.uint64)
-    return offsets, int(offsets[-1]) + int(sizes[-1])
-
-
 def record_shapes(index: np.ndarray) -> np.ndarray:
     """(N, 3) int64 array of every record's (height, width, channels)."""
     return np.stack([index["height"], index["width"], index["channels"]], 1).astype(np.int64)
@@ -204,10 +188,6 @@ def record_nbytes(index: np.ndarray) -> np.ndarray:
         * index["width"].astype(np.int64)
         * index["channels"].astype(np.int64)
     )
-
-
-def new_generation() -> str:
-    return secrets.token_hex(8)
 
 
 def file_name(kind: str, generation: str) -> str:
@@ -228,14 +208,6 @@ def is_generation_file_name(name: str) -> bool:
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
     return kind in FILE_KINDS and ext == "bin" and len(gen) == 16 and _is_hex(gen)
-
-
-def looks_like_cache(names: list[str]) -> bool:
-    """Whether a folder with these entries holds an mmcache cache, finished or being built."""
-    entries = set(names)
-    return any(is_generation_file_name(n) for n in entries) or (
-        MANIFEST_NAME in entries and LOCK_NAME in entries
-    )
 
 
 def _is_hex(s: str) -> bool:
@@ -322,15 +294,6 @@ def manifest_checksum(m: dict[str, Any]) -> int:
     except RecursionError:
         raise ValueError("nested too deeply") from None
     return zlib.crc32(text.encode("ascii"))
-
-
-def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
-    """zlib CRC-32 of a whole file, read in 1 MiB chunks."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def _is_int(v: Any, lo: int, hi: int) -> bool:
@@ -733,34 +696,3 @@ def open_cache(cache: str | os.PathLike) -> CacheFiles:
             if read_manifest(cache).generation == manifest.generation:
                 raise  # the same cache: the damage is real
     raise CacheFormatError(f"{cache}: rebuilt three times while it was being opened; try again")
-
-
-def live_bytes(offsets: np.ndarray, nbytes: np.ndarray, data_size: int) -> int:
-    """Bytes of a data file of ``data_size`` bytes that records at ``offsets`` of ``nbytes``
-    bytes cover: their pixels and the alignment padding after each (see the spec above).
-
-    Records start on ``DATA_ALIGN`` boundaries and do not overlap, so the padding after one
-    record is never inside another and the sum counts no byte twice.
-    """
-    start = np.asarray(offsets, np.int64)
-    size = np.asarray(nbytes, np.int64)
-    padded = -(-size // DATA_ALIGN) * DATA_ALIGN
-    return int(np.clip(np.minimum(padded, data_size - start), 0, None).sum())
-
-
-def found_bad(files: CacheFiles) -> list[dict[str, str]]:
-    """``{"path", "reason"}`` of each record in a ``BAD_*`` state: the files a lazy cache found
-    bad while filling (a build leaves such files out, listing them in ``skipped``)."""
-    codes = files.state["state"]
-    return [
-        {"path": files.path(int(i)), "reason": BAD_REASONS.get(int(codes[i]), "unknown state")}
-        for i in np.flatnonzero(codes > FILLED)
-    ]
-
-
-def garbage_bytes(files: CacheFiles) -> int:
-    """Bytes of the data file no record of this generation covers (records that refreshes
-    replaced or removed); 0 after a first build or a compaction."""
-    size = files.manifest.sizes["data"]
-    index = files.index
-    return max(0, size - live_bytes(index["offset"], record_nbytes(index), size))

@@ -34,6 +34,7 @@ import psutil
 
 from . import format as fmt
 from ._feedback import ProgressFn
+from ._generation import found_bad, garbage_bytes
 from .staleness import recorded_source, stale_reason
 
 logger = logging.getLogger(__name__)
@@ -352,15 +353,15 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         min_size=smallest,
         max_size=largest,
         data_bytes=m.sizes["data"],
-        live_bytes=m.sizes["data"] - fmt.garbage_bytes(files),
-        garbage_bytes=fmt.garbage_bytes(files),
+        live_bytes=m.sizes["data"] - garbage_bytes(files),
+        garbage_bytes=garbage_bytes(files),
         apparent_bytes=sum(s.st_size for s in stats),
         disk_bytes=sum(s.st_blocks * 512 for s in stats),
         format_version=m.format_version,
         mode=m.mode,
         generation=m.generation,
         options=dict(m.options),
-        skipped=list(m.skipped) + fmt.found_bad(files),  # and what lazy fills found bad
+        skipped=list(m.skipped) + found_bad(files),  # and what lazy fills found bad
         stale=stale_reason(files) if check_stale else None,
         source=recorded_source(m),
         source_found=Path(recorded_source(m)).exists(),
