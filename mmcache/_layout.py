@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
-from ._feedback import ProgressFn
 from .decode import Options
 from .probe import probe_size
+from .reports import ProgressFn
 from .scan import Listing
 
 

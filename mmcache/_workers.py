@@ -29,10 +29,10 @@ import cv2
 import numpy as np
 
 from . import format as fmt
-from ._feedback import ProgressFn
 from ._files import write_pixels
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
+from .reports import ProgressFn
 
 # Records per chunk sent to a worker: large enough that the per-chunk overhead (~100 us)
 # vanishes next to a decode (~2 ms for 720x480), small enough to balance the last chunks.

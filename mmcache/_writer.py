@@ -16,15 +16,16 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from . import _generation as generation
 from . import format as fmt
-from ._feedback import ProgressFn, human_bytes
+from ._feedback import human_bytes
 from ._files import copy_range, create_data_file, extend_data_file, write_pixels
 from ._generation import (
     found_bad,
@@ -45,6 +46,7 @@ from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions
 from .errors import CacheFormatError, OptionsChangedError, SourceError, StrictBuildError
+from .reports import BuildReport, ProgressFn
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
@@ -53,59 +55,6 @@ from .space import (
     generation_sizes,
 )
 from .staleness import carried_trust, fingerprints, is_current, same_options, to_match, trust_record
-
-
-@dataclass
-class BuildReport:
-    """What a build did. ``up_to_date`` means it found the cache current and did nothing.
-
-    ``decoded``: files decoded into records now (files that failed count in ``skipped``);
-    ``reused``: records carried over from the previous cache without decoding; ``dropped``:
-    records of the previous cache whose pixels were discarded, of which ``removed`` because
-    their file left the source; ``changed`` counts the decoded files that had a record there
-    (modified since, or the cache replaced with other options). ``images`` counts the
-    records with pixels; a lazy cache's records still to be filled count in ``pending``.
-    ``seconds`` is the whole build, ``decode_seconds`` the decoding alone. ``ignored``: folders
-    inside the source left out because they hold a cache (see ``scan_source``).
-
-    ``appended``: the new records went at the end of the current data file, the kept ones
-    staying where they were (a refresh), rather than into a new data file (a first build, other
-    options, a compaction). ``written_bytes``: what the build wrote, pixels (decoded or copied)
-    and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
-    covers now (``_generation.garbage_bytes``: padding belongs to its record, so a first build or a
-    compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
-    took out. ``compaction_deferred``: why a refresh appended although its garbage passed
-    ``compact_at`` (a compact data file would not fit on the disk), else empty.
-    """
-
-    cache: Path
-    images: int
-    classes: int
-    bytes: int
-    seconds: float
-    decoded: int = 0
-    reused: int = 0
-    dropped: int = 0
-    removed: int = 0
-    changed: int = 0
-    up_to_date: bool = False
-    trusted_decoder: bool = False
-    pending: int = 0
-    decode_seconds: float = 0.0
-    appended: bool = False
-    written_bytes: int = 0
-    garbage_bytes: int = 0
-    dropped_garbage: int = 0
-    compaction_deferred: str = ""
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    warnings: list[dict[str, str]] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-
-    @property
-    def images_per_second(self) -> float:
-        """Decoding rate: files decoded per second of decoding."""
-        return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
 
 # A refresh appends what changed to the data file and leaves the records it replaces as garbage,
 # until garbage would pass this share of the file: then it writes a compact file instead. At 25%
@@ -222,16 +171,41 @@ def current_report(files: fmt.CacheFiles) -> BuildReport:
     codes = files.state["state"]
     # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
     bad = found_bad(files)
-    return BuildReport(
-        cache=m.path,
-        images=int((codes == fmt.FILLED).sum()),
-        classes=len(m.classes),
-        bytes=m.sizes["data"],
+    return new_report(
+        m.path,
+        codes,
+        len(m.classes),
+        m.sizes,
         seconds=0.0,
         up_to_date=True,
-        pending=int((codes == fmt.EMPTY).sum()),
         skipped=m.skipped + bad,
         warnings=m.warnings,
+    )
+
+
+def new_report(
+    cache: Path,
+    codes: np.ndarray,
+    classes: int,
+    sizes: dict[str, int],
+    written_pixels: int | None = None,
+    **fields: Any,
+) -> BuildReport:
+    """The report of a build that leaves ``cache`` with records in the states ``codes`` and
+    files of ``sizes``: ``images`` (FILLED) and ``pending`` (EMPTY) counted, ``bytes`` the data
+    file's size, ``written_bytes`` the ``written_pixels`` and the index, state and paths files
+    (0 when nothing was written); ``fields``: the rest of ``BuildReport``'s."""
+    written = 0
+    if written_pixels is not None:
+        written = written_pixels + sum(v for k, v in sizes.items() if k != "data")
+    return BuildReport(
+        cache=cache,
+        images=int((codes == fmt.FILLED).sum()),
+        classes=classes,
+        bytes=sizes["data"],
+        pending=int((codes == fmt.EMPTY).sum()),
+        written_bytes=written,
+        **fields,
     )
 
 
@@ -448,13 +422,13 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
     live = live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
-    report = BuildReport(
-        cache=g.folder,
-        images=int((state == fmt.FILLED).sum()),
-        classes=len(listing.classes),
-        bytes=data_bytes,
+    report = new_report(
+        g.folder,
+        state[keep],  # every FILLED record is kept
+        len(listing.classes),
+        sizes,
+        pixels_written,
         appended=g.appended_after is not None,
-        written_bytes=pixels_written + sum(v for k, v in sizes.items() if k != "data"),
         garbage_bytes=max(0, data_bytes - live),
         compaction_deferred=g.compaction_deferred,
         seconds=0.0,
@@ -464,7 +438,6 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         removed=removed,
         changed=changed,
         ignored=list(listing.ignored),
-        pending=int((state[keep] == fmt.EMPTY).sum()),
         trusted_decoder=g.reused > 0 and s.wanted != s.current,
         skipped=skipped,
         warnings=warnings,
@@ -755,14 +728,13 @@ def compact(cache: str | os.PathLike) -> BuildReport:
             write_manifest(manifest)
         retire(m, manifest)
     codes = files.state["state"]
-    return BuildReport(
-        cache=folder,
-        images=int((codes == fmt.FILLED).sum()),
-        classes=len(m.classes),
-        bytes=data_bytes,
+    return new_report(
+        folder,
+        codes,
+        len(m.classes),
+        sizes,
+        copied,
         seconds=time.perf_counter() - start,
-        pending=int((codes == fmt.EMPTY).sum()),
-        written_bytes=copied + sum(v for k, v in sizes.items() if k != "data"),
         garbage_bytes=data_bytes - live_bytes(offsets, nbytes, data_bytes),
         dropped_garbage=garbage_bytes(files),
         skipped=list(m.skipped),

@@ -27,13 +27,12 @@ import time
 from typing import Any
 
 from . import _writer as writer
-from ._feedback import ProgressFn
 from ._workers import DecodePool, decode_records
-from ._writer import BuildReport
 from .decode import Options
+from .reports import BuildReport, ProgressFn
 from .scan import Listing
 
-__all__ = ["BuildReport", "build_cache", "compact_cache", "create_lazy_cache"]
+__all__ = ["build_cache", "compact_cache", "create_lazy_cache"]
 
 
 def build_cache(

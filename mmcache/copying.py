@@ -16,13 +16,11 @@ import os
 import shutil
 import time
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
-from ._feedback import ProgressFn
 from ._files import copy_range, create_generation_file, fsync_dir
 from ._generation import (
     discarded_on_failure,
@@ -35,30 +33,14 @@ from ._generation import (
     writer_lock,
 )
 from .errors import CacheFormatError, DestinationError
+from .reports import CopyReport, ProgressFn, VerifyReport
 from .space import check_free_space, disk_bytes
-from .verify import VerifyReport, check_checksums
+from .verify import check_checksums
 
-__all__ = ["CopyReport", "copy_cache"]
+__all__ = ["copy_cache"]
 
 # Bytes per copy_range call: progress updates every 64 MiB (~0.1 s on an NVMe disk).
 STEP = 64 << 20
-
-
-@dataclass
-class CopyReport:
-    """What a copy did: ``bytes`` is the caches' size, ``copied`` what was read and written."""
-
-    source: Path
-    dest: Path
-    images: int
-    bytes: int
-    copied: int
-    verified: int
-    seconds: float
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.copied / self.seconds if self.seconds > 0 else 0.0
 
 
 def copy_cache(

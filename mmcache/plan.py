@@ -19,10 +19,10 @@ import numpy as np
 import psutil
 
 from . import format as fmt
-from ._feedback import ProgressFn
 from ._generation import open_existing
 from ._layout import layout_from_sizes, probe_sizes
 from .decode import Options
+from .reports import ProgressFn
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
