@@ -42,6 +42,7 @@ from ._generation import (
     writer_lock,
 )
 from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
+from ._reuse import carry_skips, copy_reused, keep_in_place, kept_records, reusable
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions
@@ -270,9 +271,9 @@ def allocate(s: Session) -> Generation:
     state = np.full(n, fmt.EMPTY, np.uint32)
     crcs = np.zeros(n, np.uint32)
     messages: dict[int, str] = {}
-    _carry_skips(previous, listing, s.wanted, state, messages)
+    carry_skips(previous, listing, s.wanted, state, messages)
     skip = set(np.flatnonzero(state != fmt.EMPTY).tolist())
-    kept = _kept_records(previous, listing, s.wanted)
+    kept = kept_records(previous, listing, s.wanted)
     layout, appending, deferred = None, False, ""
     if previous is not None and kept is not None:
         layout = append_layout(listing, request.options, kept, previous, skip)
@@ -318,11 +319,11 @@ def allocate(s: Session) -> Generation:
     with discarded_on_failure(g):
         if appending:
             extend_data_file(g.data_path, layout.data_bytes)
-            g.reused = _keep_in_place(previous, kept or {}, g.crcs, g.state)
+            g.reused = keep_in_place(previous, kept or {}, g.crcs, g.state)
         else:
             create_data_file(g.data_path, layout.data_bytes)
-            reuse = _reusable(previous, listing, s.wanted)
-            g.reused, g.copied_bytes = _copy_reused(
+            reuse = reusable(previous, listing, s.wanted)
+            g.reused, g.copied_bytes = copy_reused(
                 previous, reuse, layout, g.data_path, g.crcs, g.state
             )
     # A lazy cache decodes now only the records whose size, hence every later offset, is unknown.
@@ -548,24 +549,6 @@ def redecode(
     return failed
 
 
-def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:
-    """Whether records of ``previous`` may be carried over: the same options and decoder."""
-    return previous is not None and all(
-        previous.manifest.fingerprints.get(k) == wanted[k] for k in ("options", "decoder")
-    )
-
-
-def _kept_records(
-    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
-) -> dict[int, int] | None:
-    """New record -> previous record, for every unchanged file of a previous cache of equal
-    options and decoder (filled or not: its place in the data file stays its own); None when
-    the previous cache cannot share its data file."""
-    if not _lends_records(previous, wanted) or not previous.manifest.file("data").exists():
-        return None
-    return _unchanged(previous, listing, range(len(previous.index)))
-
-
 def _garbage_share(layout: Layout) -> float:
     """The share of the data file that no record would cover after an appending refresh with
     ``layout`` (records left out have no shape there, so they cover nothing)."""
@@ -573,100 +556,6 @@ def _garbage_share(layout: Layout) -> float:
         return 0.0
     live = live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
     return (layout.data_bytes - live) / layout.data_bytes
-
-
-def _keep_in_place(
-    previous: fmt.CacheFiles, kept: dict[int, int], crcs: np.ndarray, state: np.ndarray
-) -> int:
-    """Mark the kept records that hold pixels FILLED with their CRCs; returns how many. (The
-    others keep their place, still to fill.)"""
-    count = 0
-    for i, j in kept.items():
-        if previous.state[j]["state"] == fmt.FILLED:
-            crcs[i] = previous.state[j]["crc32"]
-            state[i] = fmt.FILLED
-            count += 1
-    return count
-
-
-def _reusable(
-    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
-) -> dict[int, int]:
-    """New record -> old record, for files unchanged since a previous cache with equal options."""
-    if not _lends_records(previous, wanted):
-        return {}
-    return _unchanged(previous, listing, np.flatnonzero(previous.state["state"] == fmt.FILLED))
-
-
-def _unchanged(previous: fmt.CacheFiles, listing: Listing, candidates) -> dict[int, int]:
-    """New record -> previous record, for the ``candidates`` (previous record numbers) whose
-    file is listed again with the same size and mtime."""
-    old = previous.index
-    by_path = {previous.path(j): j for j in map(int, candidates)}
-    found = {}
-    for i, rel in enumerate(listing.paths):
-        j = by_path.get(rel)
-        if j is not None and (
-            int(old[j]["source_size"]) == int(listing.sizes[i])
-            and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
-        ):
-            found[i] = j
-    return found
-
-
-def _carry_skips(
-    previous: fmt.CacheFiles | None,
-    listing: Listing,
-    wanted: dict[str, str],
-    state: np.ndarray,
-    messages: dict[int, str],
-) -> None:
-    """Keep skipping files the previous build skipped, if they and the options are unchanged."""
-    if not _lends_records(previous, wanted):
-        return
-    stats = {
-        e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"])
-        for e in previous.manifest.skipped
-        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
-    }
-    for i, rel in enumerate(listing.paths):
-        old = stats.get(rel)
-        if old and (old[0], old[1]) == (int(listing.sizes[i]), int(listing.mtimes[i])):
-            state[i] = fmt.BAD_UNDECODABLE
-            messages[i] = old[2]
-
-
-def _copy_reused(
-    previous: fmt.CacheFiles | None,
-    reuse: dict[int, int],
-    layout: Layout,
-    data_path: Path,
-    crcs: np.ndarray,
-    state: np.ndarray,
-) -> tuple[int, int]:
-    """Copy unchanged records' pixels from the previous data file; returns how many, and the
-    bytes copied."""
-    if not reuse:
-        return 0, 0
-    old = previous.index
-    src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
-    dst_fd = os.open(data_path, os.O_WRONLY)
-    try:
-        count = copied = 0
-        for i, j in reuse.items():
-            shape = previous.shape(j)
-            if shape != tuple(int(v) for v in layout.shapes[i]):
-                continue  # the header now predicts another size: decode it again
-            nbytes = shape[0] * shape[1] * shape[2]
-            copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
-            crcs[i] = previous.state[j]["crc32"]
-            state[i] = fmt.FILLED
-            count += 1
-            copied += nbytes
-        return count, copied
-    finally:
-        os.close(src_fd)
-        os.close(dst_fd)
 
 
 def _append_overflow(
