@@ -95,9 +95,15 @@ def build_cache(
     Raises:
         SourceError: no source, or no image of it could be decoded (nothing is published).
         OptionsChangedError: the cache there has other options, and ``replace`` is False.
-        NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
-        DistributedBuildError, DecodeWorkerError.
-        TypeError, ValueError: an unknown or invalid preprocessing option.
+        NotACacheError: a file, or a folder of other things, is where the cache would go.
+        DestinationError: the cache folder cannot be created or written.
+        StrictBuildError: ``strict`` and a file could not be decoded (nothing is published).
+        InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
+        DistributedBuildError: a rank of a distributed build failed or timed out.
+        DecodeWorkerError: the decode worker processes could not run (they die at start, or on
+            every file).
+        TypeError: an unknown preprocessing option.
+        ValueError: an invalid preprocessing option.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
@@ -137,8 +143,11 @@ def create_lazy_cache(
         >>> report.pending  # doctest: +SKIP
 
     Raises:
-        SourceError, OptionsChangedError, NotACacheError, DestinationError,
-        InsufficientSpaceError.
+        SourceError: no source, or no image of it could be cached (nothing is published).
+        OptionsChangedError: the cache there has other options, and ``replace`` is False.
+        NotACacheError: a file, or a folder of other things, is where the cache would go.
+        DestinationError: the cache folder cannot be created or written.
+        InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, progress=progress, force=force,
