@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,11 +30,15 @@ from .format import (
     DATA_ALIGN,
     FILE_KINDS,
     FILLED,
+    FORMAT_VERSION,
     INDEX_DTYPE,
     LOCK_NAME,
+    MAGIC,
     MANIFEST_NAME,
+    STATE_DTYPE,
     CacheFiles,
     Manifest,
+    dtype_descr,
     file_name,
     is_cache_file_name,
     manifest_checksum,
@@ -92,6 +97,29 @@ def index_records(
     return index, b"".join(paths)
 
 
+def manifest_json(manifest: Manifest) -> dict[str, Any]:
+    """``manifest``'s JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
+    return {
+        "magic": MAGIC,
+        "format_version": list(FORMAT_VERSION),
+        "generation": manifest.generation,
+        "files": {kind: manifest.file(kind).name for kind in FILE_KINDS},
+        "sizes": manifest.sizes,
+        "count": manifest.count,
+        "index_dtype": dtype_descr(INDEX_DTYPE),
+        "state_dtype": dtype_descr(STATE_DTYPE),
+        "mode": manifest.mode,
+        "source": manifest.source,
+        "options": manifest.options,
+        "classes": manifest.classes,
+        "skipped": manifest.skipped,
+        "warnings": manifest.warnings,
+        "fingerprints": manifest.fingerprints,
+        "decoder": manifest.decoder,
+        **manifest.extra,
+    }
+
+
 def write_manifest(manifest: Manifest) -> None:
     """Publish ``manifest`` atomically: write a temporary file, flush it, rename it over.
 
@@ -99,7 +127,7 @@ def write_manifest(manifest: Manifest) -> None:
     every writer's manifest carries them.
     """
     folder = manifest.path
-    m = manifest.to_json()
+    m = manifest_json(manifest)
     m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in ("index", "paths")}
     m["checksums"]["manifest"] = manifest_checksum(m)
     tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"

@@ -31,6 +31,8 @@ from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError, DistributedBuildError
 from .reports import BuildReport
 
+__all__ = ["main"]
+
 
 class _Progress:
     """A library ``progress(done, total)`` callback shown on stderr: a tqdm bar on a terminal;

@@ -19,6 +19,8 @@ from .loader import BatchLoader
 from .reports import BuildReport, ProgressFn
 from .sample_data import make_image_folder
 
+__all__ = ["DemoReport", "run_demo"]
+
 
 class DecodingDataset(Dataset):
     """Decode ``samples`` (``(path, label)`` pairs) with OpenCV on every access, then

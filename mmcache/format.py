@@ -115,6 +115,17 @@ import numpy as np
 
 from .errors import CacheFormatError, CacheNotFoundError
 
+__all__ = [
+    "BAD_HEADER_MISMATCH", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
+    "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FILE_KINDS",
+    "FILLED", "FORMAT_VERSION", "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME",
+    "MAX_CHANNELS", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE",
+    "Manifest", "READS_MAJORS", "STATE_DTYPE", "check_relative_path", "dtype_descr",
+    "file_name", "is_cache_file_name", "is_generation_file_name", "manifest_checksum",
+    "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
+    "validate_records",
+]  # fmt: skip
+
 MAGIC = "mmcache"
 FORMAT_VERSION = (2, 0)
 # Majors this reader reads: 1.x is 2.0 without shared data files.
@@ -249,28 +260,6 @@ class Manifest:
     def shares_data(self) -> bool:
         """Whether this generation's records lie in the data file of an earlier generation."""
         return self.data_generation != self.generation
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
-        return {
-            "magic": MAGIC,
-            "format_version": list(FORMAT_VERSION),
-            "generation": self.generation,
-            "files": {kind: self.file(kind).name for kind in FILE_KINDS},
-            "sizes": self.sizes,
-            "count": self.count,
-            "index_dtype": dtype_descr(INDEX_DTYPE),
-            "state_dtype": dtype_descr(STATE_DTYPE),
-            "mode": self.mode,
-            "source": self.source,
-            "options": self.options,
-            "classes": self.classes,
-            "skipped": self.skipped,
-            "warnings": self.warnings,
-            "fingerprints": self.fingerprints,
-            "decoder": self.decoder,
-            **self.extra,
-        }
 
 
 def _fail(path: Path, what: str) -> CacheFormatError:

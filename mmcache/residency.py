@@ -35,6 +35,15 @@ from ._generation import found_bad, garbage_bytes
 from .reports import CacheInfo, Memory, ProgressFn, WarmReport
 from .staleness import recorded_source, stale_reason
 
+__all__ = [
+    "DEFAULT_MAX_MEMORY",
+    "cache_info",
+    "evict_cache",
+    "memory",
+    "resident_bytes",
+    "warm_cache",
+]
+
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE

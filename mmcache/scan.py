@@ -35,6 +35,8 @@ from . import format as fmt
 from .errors import SourceError
 from .probe import sniff_format
 
+__all__ = ["IMAGE_EXTENSIONS", "Listing", "ListingDiff", "diff_listings", "scan_source"]
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 

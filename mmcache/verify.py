@@ -24,6 +24,8 @@ from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
 
+__all__ = ["repair_cache", "verify_cache"]
+
 SOURCE_MODES = (False, "sample", "all")
 # "sample" decodes 1% of the records, and at least 20: enough to catch a decoder that decodes
 # every file differently, in a few seconds for ImageNet's 1.28M.
