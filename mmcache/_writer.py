@@ -43,6 +43,14 @@ from ._generation import (
 )
 from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
 from ._reuse import carry_skips, copy_reused, keep_in_place, kept_records, reusable
+from ._staleness import (
+    carried_trust,
+    fingerprints,
+    is_current,
+    same_options,
+    to_match,
+    trust_record,
+)
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions
@@ -55,7 +63,6 @@ from .space import (
     free_bytes,
     generation_sizes,
 )
-from .staleness import carried_trust, fingerprints, is_current, same_options, to_match, trust_record
 
 # A refresh appends what changed to the data file and leaves the records it replaces as garbage,
 # until garbage would pass this share of the file: then it writes a compact file instead. At 25%
@@ -90,7 +97,7 @@ class Session:
     """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
 
     ``current``: the fingerprints of what this build makes; ``wanted``: those the previous cache
-    must have to be current or to lend its records (``staleness.to_match``).
+    must have to be current or to lend its records (``_staleness.to_match``).
     """
 
     request: BuildRequest

@@ -21,6 +21,7 @@ import psutil
 from . import format as fmt
 from ._generation import open_existing
 from ._layout import layout_from_sizes, probe_sizes
+from ._staleness import fingerprints, is_current, to_match
 from .decode import Options
 from .reports import ProgressFn
 from .scan import Listing, scan_source
@@ -31,7 +32,6 @@ from .space import (
     free_bytes,
     generation_sizes,
 )
-from .staleness import fingerprints, is_current, to_match
 
 __all__ = ["CachePlan", "PolicyPlan", "SizeDistribution", "check_free_space", "plan_cache"]
 

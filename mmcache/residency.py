@@ -32,8 +32,8 @@ import psutil
 
 from . import format as fmt
 from ._generation import found_bad, garbage_bytes
+from ._staleness import recorded_source, stale_reason
 from .reports import CacheInfo, Memory, ProgressFn, WarmReport
-from .staleness import recorded_source, stale_reason
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
