@@ -12,8 +12,8 @@ The format, build and decode parts import without torch; ``MemmapImageDataset``,
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .build import BuildReport, build_cache, compact_cache, create_lazy_cache
-from .copying import CopyReport, copy_cache
+from .build import build_cache, compact_cache, create_lazy_cache
+from .copying import copy_cache
 from .decode import Options, decode_image
 from .errors import (
     BadImageWarning,
@@ -37,9 +37,18 @@ from .errors import (
 )
 from .pixels import yuv420_to_rgb
 from .plan import CachePlan, check_free_space, plan_cache
-from .residency import CacheInfo, WarmReport, cache_info, evict_cache, warm_cache
+from .reports import (
+    BadRecord,
+    BuildReport,
+    CacheInfo,
+    CopyReport,
+    RepairReport,
+    VerifyReport,
+    WarmReport,
+)
+from .residency import cache_info, evict_cache, warm_cache
 from .scan import scan_source
-from .verify import BadRecord, RepairReport, VerifyReport, repair_cache, verify_cache
+from .verify import repair_cache, verify_cache
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type checkers
     from .dataset import MemmapImageDataset, Records

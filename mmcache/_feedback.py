@@ -1,15 +1,10 @@
-"""What the library tells its callers while it works: the progress callback, numbers in words.
+"""Numbers in words for the library's messages: counts with their noun, sizes in bytes.
 
 Counts come with their noun in the right number ("1 image", "2 classes"), byte sizes in
 decimal units.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-
-# Called as progress(done, total) while a long step runs (records, files or bytes).
-ProgressFn = Callable[[int, int], None]
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
+from ._files import write_pixels, write_state
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
 from .space import disk_full_error
@@ -65,8 +66,8 @@ class RecordFiller:
         data_fd, state_fd = self.fds
         try:
             if pixels is not None:
-                fmt.write_pixels(data_fd, pixels, int(r["offset"]))
-            fmt.write_state(state_fd, i, crc, code)
+                write_pixels(data_fd, pixels, int(r["offset"]))
+            write_state(state_fd, i, crc, code)
         except OSError as e:
             m = self.files.manifest
             full = disk_full_error(

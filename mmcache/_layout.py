@@ -14,9 +14,9 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._feedback import ProgressFn
 from .decode import Options
 from .probe import probe_size
+from .reports import ProgressFn
 from .scan import Listing
 
 
@@ -35,6 +35,21 @@ class Layout:
     def nbytes(self) -> np.ndarray:
         """Each record's size in the data file (0 if unknown)."""
         return px.record_nbytes(*self.shapes.T, self.record_layout)
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to the next multiple of ``DATA_ALIGN``."""
+    return -(-n // fmt.DATA_ALIGN) * fmt.DATA_ALIGN
+
+
+def layout_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Offsets of records of the given byte sizes laid out in order, and the data file size."""
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    if len(sizes) == 0:
+        return np.zeros(0, np.uint64), 0
+    steps = -(-sizes // fmt.DATA_ALIGN) * fmt.DATA_ALIGN
+    offsets = np.concatenate([[0], np.cumsum(steps[:-1])]).astype(np.uint64)
+    return offsets, int(offsets[-1]) + int(sizes[-1])
 
 
 def plan_layout(listing: Listing, opts: Options) -> Layout:
@@ -87,7 +102,7 @@ def append_layout(
     data_bytes = base
     if len(added):
         part = layout_from_sizes(probe_sizes(listing, records=added), opts)
-        start = fmt.aligned(base)
+        start = aligned(base)
         shapes[added], state[added], pixels[added] = part.shapes, part.state, part.pixels
         offsets[added] = part.offsets + np.uint64(start)
         data_bytes = start + part.data_bytes if part.data_bytes else base
@@ -113,5 +128,5 @@ def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
         shaped = np.array([opts.output_shape(int(k >> 32), int(k & 0xFFFFFFFF)) for k in keys])
         shapes[ok] = shaped.reshape(-1, 3)[inverse.reshape(-1)]
     layout = Layout(shapes, np.zeros(n, np.uint64), 0, state, hw[:, 0] * hw[:, 1], opts.pixels)
-    layout.offsets, layout.data_bytes = fmt.layout_offsets(layout.nbytes)
+    layout.offsets, layout.data_bytes = layout_offsets(layout.nbytes)
     return layout

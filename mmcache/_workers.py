@@ -30,9 +30,10 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._feedback import ProgressFn
+from ._files import write_pixels
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
+from .reports import ProgressFn
 
 # Records per chunk sent to a worker: large enough that the per-chunk overhead (~100 us)
 # vanishes next to a decode (~2 ms for 720x480), small enough to balance the last chunks.
@@ -399,7 +400,7 @@ def _decode_job(
         return i, code, 0, message, None
     if px.image_shape(pixels) != shape:
         return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
-    fmt.write_pixels(fd, pixels, offset)
+    write_pixels(fd, pixels, offset)
     return i, fmt.FILLED, crc, message, None
 
 

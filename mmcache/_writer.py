@@ -15,17 +15,46 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from . import _generation as generation
 from . import format as fmt
 from . import pixels as px
-from ._feedback import ProgressFn, human_bytes
-from ._layout import Layout, append_layout, plan_layout
+from ._feedback import human_bytes
+from ._files import copy_range, create_data_file, extend_data_file, write_pixels
+from ._generation import (
+    found_bad,
+    garbage_bytes,
+    index_records,
+    live_bytes,
+    new_generation,
+    open_existing,
+    prepare_folder,
+    remove_stale_generations,
+    retire,
+    write_generation,
+    write_manifest,
+    writer_lock,
+)
+from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
+from ._reuse import carry_skips, copy_reused, keep_in_place, kept_records, reusable
+from ._staleness import (
+    carried_trust,
+    fingerprints,
+    is_current,
+    recorded_source,
+    same_options,
+    same_source,
+    source_of,
+    to_match,
+    trust_record,
+)
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
 from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
@@ -37,83 +66,14 @@ from .errors import (
     StrictBuildError,
 )
 from .probe import probe_size
+from .reports import BuildReport, ProgressFn
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
     disk_bytes,
-    disk_full_error,
     free_bytes,
     generation_sizes,
 )
-from .staleness import (
-    carried_trust,
-    fingerprints,
-    is_current,
-    recorded_source,
-    same_options,
-    same_source,
-    source_of,
-    to_match,
-    trust_record,
-)
-
-
-@dataclass
-class BuildReport:
-    """What a build did. ``up_to_date`` means it found the cache current and did nothing.
-
-    ``decoded``: files decoded into records now (files that failed count in ``skipped``);
-    ``reused``: records carried over from the previous cache without decoding; ``dropped``:
-    records of the previous cache whose pixels were discarded, of which ``removed`` because
-    their file left the source; ``changed`` counts the decoded files that had a record there
-    (modified since, or the cache replaced with other options). ``images`` counts the
-    records with pixels; a lazy cache's records still to be filled count in ``pending``.
-    ``seconds`` is the whole build, ``decode_seconds`` the decoding alone. ``ignored``: folders
-    inside the source left out because they hold a cache (see ``scan_source``).
-
-    ``appended``: the new records went at the end of the current data file, the kept ones
-    staying where they were (a refresh), rather than into a new data file (a first build, other
-    options, a compaction). ``written_bytes``: what the build wrote, pixels (decoded or copied)
-    and the index, state and paths; ``garbage_bytes``: bytes of the data file that no record
-    covers now (``fmt.garbage_bytes``: padding belongs to its record, so a first build or a
-    compaction has none; ``bytes`` is the file's size); ``dropped_garbage``: what a compaction
-    took out. ``compaction_deferred``: why a refresh appended although its garbage passed
-    ``compact_at`` (a compact data file would not fit on the disk), else empty.
-
-    ``skipped`` and ``warnings``: ``{"path", "reason"}`` for each file left out (undecodable,
-    ``"truncated"``, over the pixel limit, ...) and each file kept with a warning: its
-    decoder complained, or it is another listed file under another label (a link from one
-    class folder into another, see ``scan_source``).
-    """
-
-    cache: Path
-    images: int
-    classes: int
-    bytes: int
-    seconds: float
-    decoded: int = 0
-    reused: int = 0
-    dropped: int = 0
-    removed: int = 0
-    changed: int = 0
-    up_to_date: bool = False
-    trusted_decoder: bool = False
-    pending: int = 0
-    decode_seconds: float = 0.0
-    appended: bool = False
-    written_bytes: int = 0
-    garbage_bytes: int = 0
-    dropped_garbage: int = 0
-    compaction_deferred: str = ""
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    warnings: list[dict[str, str]] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-
-    @property
-    def images_per_second(self) -> float:
-        """Decoding rate: files decoded per second of decoding."""
-        return self.decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
 
 # A refresh appends what changed to the data file and leaves the records it replaces as garbage,
 # until garbage would pass this share of the file: then it writes a compact file instead. At 25%
@@ -149,7 +109,7 @@ class Session:
     """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
 
     ``current``: the fingerprints of what this build makes; ``wanted``: those the previous cache
-    must have to be current or to lend its records (``staleness.to_match``).
+    must have to be current or to lend its records (``_staleness.to_match``).
     """
 
     request: BuildRequest
@@ -174,17 +134,17 @@ def session(request: BuildRequest) -> Iterator[Session]:
     source, opts = request.source, request.options
     listing = source if isinstance(source, Listing) else scan_source(source)
     folder = Path(request.cache).expanduser().absolute()
-    created = fmt.prepare_folder(folder)
+    created = prepare_folder(folder)
     try:
-        with fmt.writer_lock(folder):
-            previous = fmt.open_existing(folder)
+        with writer_lock(folder):
+            previous = open_existing(folder)
             if previous is not None and not request.replace:
                 if not request.source_moved:
                     refuse_other_source(previous.manifest, listing)
                 refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
-            fmt.remove_stale_generations(folder, previous)
+            remove_stale_generations(folder, previous)
             current = fingerprints(listing, opts)
             wanted = current
             if previous is not None:
@@ -242,7 +202,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     )
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
-        fmt.write_manifest(m)
+        write_manifest(m)
     return report
 
 
@@ -251,17 +211,42 @@ def current_report(files: fmt.CacheFiles) -> BuildReport:
     m = files.manifest
     codes = files.state["state"]
     # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
-    bad = fmt.found_bad(files)
-    return BuildReport(
-        cache=m.path,
-        images=int((codes == fmt.FILLED).sum()),
-        classes=len(m.classes),
-        bytes=m.sizes["data"],
+    bad = found_bad(files)
+    return new_report(
+        m.path,
+        codes,
+        len(m.classes),
+        m.sizes,
         seconds=0.0,
         up_to_date=True,
-        pending=int((codes == fmt.EMPTY).sum()),
         skipped=m.skipped + bad,
         warnings=m.warnings,
+    )
+
+
+def new_report(
+    cache: Path,
+    codes: np.ndarray,
+    classes: int,
+    sizes: dict[str, int],
+    written_pixels: int | None = None,
+    **fields: Any,
+) -> BuildReport:
+    """The report of a build that leaves ``cache`` with records in the states ``codes`` and
+    files of ``sizes``: ``images`` (FILLED) and ``pending`` (EMPTY) counted, ``bytes`` the data
+    file's size, ``written_bytes`` the ``written_pixels`` and the index, state and paths files
+    (0 when nothing was written); ``fields``: the rest of ``BuildReport``'s."""
+    written = 0
+    if written_pixels is not None:
+        written = written_pixels + sum(v for k, v in sizes.items() if k != "data")
+    return BuildReport(
+        cache=cache,
+        images=int((codes == fmt.FILLED).sum()),
+        classes=classes,
+        bytes=sizes["data"],
+        pending=int((codes == fmt.EMPTY).sum()),
+        written_bytes=written,
+        **fields,
     )
 
 
@@ -326,9 +311,9 @@ def allocate(s: Session) -> Generation:
     state = np.full(n, fmt.EMPTY, np.uint32)
     crcs = np.zeros(n, np.uint32)
     messages: dict[int, str] = {}
-    _carry_skips(previous, listing, s.wanted, state, messages)
+    carry_skips(previous, listing, s.wanted, state, messages)
     skip = set(np.flatnonzero(state != fmt.EMPTY).tolist())
-    kept = _kept_records(previous, listing, s.wanted)
+    kept = kept_records(previous, listing, s.wanted)
     layout, appending, deferred = None, False, ""
     if previous is not None and kept is not None:
         layout = append_layout(listing, request.options, kept, previous, skip)
@@ -353,7 +338,7 @@ def allocate(s: Session) -> Generation:
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
     for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
         messages.setdefault(i, _too_large(listing, i, request.options))
-    gen = fmt.new_generation()
+    gen = new_generation()
     g = Generation(
         folder=s.folder,
         gen=gen,
@@ -375,12 +360,12 @@ def allocate(s: Session) -> Generation:
     check_free_space(s.folder, disk_bytes(generation_sizes(records, new_bytes)), request.force)
     with discarded_on_failure(g):
         if appending:
-            fmt.extend_data_file(g.data_path, layout.data_bytes)
-            g.reused = _keep_in_place(previous, kept or {}, g.crcs, g.state)
+            extend_data_file(g.data_path, layout.data_bytes)
+            g.reused = keep_in_place(previous, kept or {}, g.crcs, g.state)
         else:
-            fmt.create_data_file(g.data_path, layout.data_bytes)
-            reuse = _reusable(previous, listing, s.wanted)
-            g.reused, g.copied_bytes = _copy_reused(
+            create_data_file(g.data_path, layout.data_bytes)
+            reuse = reusable(previous, listing, s.wanted)
+            g.reused, g.copied_bytes = copy_reused(
                 previous, reuse, layout, g.data_path, g.crcs, g.state
             )
     # A lazy cache decodes now only the records whose size, hence every later offset, is unknown.
@@ -390,28 +375,16 @@ def allocate(s: Session) -> Generation:
     return g
 
 
-@contextmanager
-def discarded_on_failure(g: Generation) -> Iterator[None]:
-    """Delete the new generation's files if anything fails (or is interrupted) inside, unless
-    it failed after publishing them (``publish`` runs inside, so that a disk that fills up while
-    the manifest is written discards the new generation and reads as InsufficientSpaceError)."""
-    try:
-        yield
-    except BaseException as e:
-        if fmt.published_generation(g.folder) == g.gen:  # failed after the commit point
-            raise
-        fmt.remove_generation(g.folder, g.gen)
-        if g.appended_after is not None:  # what was appended to the shared data file
-            fmt.cut_data_file(g.data_path, g.appended_after)
-        full = disk_full_error(
-            e,
-            g.folder,
-            f"the cache needs {g.layout.data_bytes:,} bytes of pixels. Nothing was published; "
-            "the previous cache, if any, is intact",
-        )
-        if full is not None:
-            raise full from None
-        raise
+def discarded_on_failure(g: Generation) -> AbstractContextManager[None]:
+    """``_generation.discarded_on_failure`` for ``g``: its files go if anything fails inside
+    (``publish`` may run inside), and what it appended to a shared data file is cut off."""
+    return generation.discarded_on_failure(
+        g.folder,
+        g.gen,
+        f"the cache needs {g.layout.data_bytes:,} bytes of pixels. Nothing was published; "
+        "the previous cache, if any, is intact",
+        None if g.appended_after is None else (g.data_path, g.appended_after),
+    )
 
 
 def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
@@ -456,7 +429,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     warnings = list(listing.warnings) + [
         {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
     ]
-    index, paths_blob = fmt.index_records(
+    index, paths_blob = index_records(
         offsets[keep],
         layout.shapes[keep],
         listing.labels[keep],
@@ -466,9 +439,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     records = np.zeros(len(keep), fmt.STATE_DTYPE)
     records["crc32"], records["state"] = g.crcs[keep], state[keep]
-    sizes = fmt.write_generation(
-        g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen
-    )
+    sizes = write_generation(g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen)
     manifest = fmt.Manifest(
         path=g.folder,
         generation=g.gen,
@@ -501,14 +472,14 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         changed = sum(listing.paths[i] in old_paths for i in g.todo)
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
-    live = fmt.live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
-    report = BuildReport(
-        cache=g.folder,
-        images=int((state == fmt.FILLED).sum()),
-        classes=len(listing.classes),
-        bytes=data_bytes,
+    live = live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
+    report = new_report(
+        g.folder,
+        state[keep],  # every FILLED record is kept
+        len(listing.classes),
+        sizes,
+        pixels_written,
         appended=g.appended_after is not None,
-        written_bytes=pixels_written + sum(v for k, v in sizes.items() if k != "data"),
         garbage_bytes=max(0, data_bytes - live),
         compaction_deferred=g.compaction_deferred,
         seconds=0.0,
@@ -518,7 +489,6 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         removed=removed,
         changed=changed,
         ignored=list(listing.ignored),
-        pending=int((state[keep] == fmt.EMPTY).sum()),
         trusted_decoder=g.reused > 0 and s.wanted != s.current,
         skipped=skipped,
         warnings=warnings,
@@ -531,9 +501,9 @@ def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
     files (its data file only if the new one does not share it). ``s``: the build's session,
     or the cache files a repair replaces."""
     previous = s if isinstance(s, fmt.CacheFiles) else s.previous
-    fmt.write_manifest(manifest)
+    write_manifest(manifest)
     if previous is not None:
-        fmt.retire(previous.manifest, manifest)
+        retire(previous.manifest, manifest)
 
 
 class _NothingRepaired(Exception):
@@ -581,13 +551,13 @@ def redecode(
     shapes = fmt.record_shapes(files.index)
     offsets = files.index["offset"].astype(np.uint64)
     # The records to decode go after the current records, each on its own aligned start.
-    start = fmt.aligned(m.sizes["data"])
-    moved, end = fmt.layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
+    start = aligned(m.sizes["data"])
+    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
     offsets[todo] = moved + np.uint64(start)
     layout = Layout(shapes, offsets, start + end,
                     files.state["state"].copy(), np.zeros(n, np.int64), m.pixels)  # fmt: skip
     g = Generation(
-        folder=m.path, gen=fmt.new_generation(), listing=listing, layout=layout,
+        folder=m.path, gen=new_generation(), listing=listing, layout=layout,
         state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
         overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
         appended_after=m.sizes["data"],
@@ -596,7 +566,7 @@ def redecode(
     failed: dict[int, str] = {}
     try:
         with discarded_on_failure(g):
-            fmt.extend_data_file(g.data_path, layout.data_bytes)
+            extend_data_file(g.data_path, layout.data_bytes)
             g.state[todo] = fmt.EMPTY
             g.record(decode_records(g.jobs(todo), g.data_path, options, workers, progress))
             for i in todo:
@@ -617,7 +587,7 @@ def redecode(
             index["height"], index["width"], index["channels"] = layout.shapes.T
             state = np.zeros(n, fmt.STATE_DTYPE)
             state["crc32"], state["state"] = g.crcs, g.state
-            sizes = fmt.write_generation(
+            sizes = write_generation(
                 g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen
             )
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -629,92 +599,13 @@ def redecode(
     return failed
 
 
-def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:
-    """Whether records of ``previous`` may be carried over: the same options and decoder."""
-    return previous is not None and all(
-        previous.manifest.fingerprints.get(k) == wanted[k] for k in ("options", "decoder")
-    )
-
-
-def _kept_records(
-    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
-) -> dict[int, int] | None:
-    """New record -> previous record, for every unchanged file of a previous cache of equal
-    options and decoder (filled or not: its place in the data file stays its own); None when
-    the previous cache cannot share its data file."""
-    if not _lends_records(previous, wanted) or not previous.manifest.file("data").exists():
-        return None
-    return _unchanged(previous, listing, range(len(previous.index)))
-
-
 def _garbage_share(layout: Layout) -> float:
     """The share of the data file that no record would cover after an appending refresh with
     ``layout`` (records left out have no shape there, so they cover nothing)."""
     if not layout.data_bytes:
         return 0.0
-    live = fmt.live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
+    live = live_bytes(layout.offsets, layout.nbytes, layout.data_bytes)
     return (layout.data_bytes - live) / layout.data_bytes
-
-
-def _keep_in_place(
-    previous: fmt.CacheFiles, kept: dict[int, int], crcs: np.ndarray, state: np.ndarray
-) -> int:
-    """Mark the kept records that hold pixels FILLED with their CRCs; returns how many. (The
-    others keep their place, still to fill.)"""
-    count = 0
-    for i, j in kept.items():
-        if previous.state[j]["state"] == fmt.FILLED:
-            crcs[i] = previous.state[j]["crc32"]
-            state[i] = fmt.FILLED
-            count += 1
-    return count
-
-
-def _reusable(
-    previous: fmt.CacheFiles | None, listing: Listing, wanted: dict[str, str]
-) -> dict[int, int]:
-    """New record -> old record, for files unchanged since a previous cache with equal options."""
-    if not _lends_records(previous, wanted):
-        return {}
-    return _unchanged(previous, listing, np.flatnonzero(previous.state["state"] == fmt.FILLED))
-
-
-def _unchanged(previous: fmt.CacheFiles, listing: Listing, candidates) -> dict[int, int]:
-    """New record -> previous record, for the ``candidates`` (previous record numbers) whose
-    file is listed again with the same size and mtime."""
-    old = previous.index
-    by_path = {previous.path(j): j for j in map(int, candidates)}
-    found = {}
-    for i, rel in enumerate(listing.paths):
-        j = by_path.get(rel)
-        if j is not None and (
-            int(old[j]["source_size"]) == int(listing.sizes[i])
-            and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
-        ):
-            found[i] = j
-    return found
-
-
-def _carry_skips(
-    previous: fmt.CacheFiles | None,
-    listing: Listing,
-    wanted: dict[str, str],
-    state: np.ndarray,
-    messages: dict[int, str],
-) -> None:
-    """Keep skipping files the previous build skipped, if they and the options are unchanged."""
-    if not _lends_records(previous, wanted):
-        return
-    stats = {
-        e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"], e.get("state"))
-        for e in previous.manifest.skipped
-        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
-    }
-    for i, rel in enumerate(listing.paths):
-        old = stats.get(rel)
-        if old and (old[0], old[1]) == (int(listing.sizes[i]), int(listing.mtimes[i])):
-            state[i] = old[3] if old[3] in fmt.BAD_REASONS else fmt.BAD_UNDECODABLE
-            messages[i] = old[2]
 
 
 def _too_large(listing: Listing, i: int, opts: Options) -> str:
@@ -728,39 +619,6 @@ def _too_large(listing: Listing, i: int, opts: Options) -> str:
     return too_large_reason(*native, opts.max_pixels)
 
 
-def _copy_reused(
-    previous: fmt.CacheFiles | None,
-    reuse: dict[int, int],
-    layout: Layout,
-    data_path: Path,
-    crcs: np.ndarray,
-    state: np.ndarray,
-) -> tuple[int, int]:
-    """Copy unchanged records' pixels from the previous data file; returns how many, and the
-    bytes copied."""
-    if not reuse:
-        return 0, 0
-    old = previous.index
-    src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
-    dst_fd = os.open(data_path, os.O_WRONLY)
-    try:
-        count = copied = 0
-        for i, j in reuse.items():
-            shape = previous.shape(j)
-            if shape != tuple(int(v) for v in layout.shapes[i]):
-                continue  # the header now predicts another size: decode it again
-            nbytes = int(px.record_nbytes(*shape, layout.record_layout))
-            fmt.copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
-            crcs[i] = previous.state[j]["crc32"]
-            state[i] = fmt.FILLED
-            count += 1
-            copied += nbytes
-        return count, copied
-    finally:
-        os.close(src_fd)
-        os.close(dst_fd)
-
-
 def _append_overflow(
     data_path: Path,
     overflow: dict[int, np.ndarray],
@@ -771,14 +629,14 @@ def _append_overflow(
     """Append records whose header did not predict their size after the planned region."""
     fd = os.open(data_path, os.O_WRONLY)
     try:
-        end = fmt.aligned(data_bytes)
+        end = aligned(data_bytes)
         for i in sorted(overflow):
             pixels = overflow[i]
             layout.shapes[i] = px.image_shape(pixels)
             offsets[i] = end
-            fmt.write_pixels(fd, pixels, end)
+            write_pixels(fd, pixels, end)
             data_bytes = end + pixels.nbytes
-            end = fmt.aligned(data_bytes)
+            end = aligned(data_bytes)
     finally:
         os.close(fd)
     return data_bytes
@@ -790,13 +648,13 @@ def compact(cache: str | os.PathLike) -> BuildReport:
     start = time.perf_counter()
     folder = Path(cache).expanduser().absolute()
     fmt.read_manifest(folder)  # no cache there: its error, before anything else
-    with fmt.writer_lock(folder):
+    with writer_lock(folder):
         files = fmt.read_cache_files(fmt.read_manifest(folder))
-        fmt.remove_stale_generations(folder, files)
+        remove_stale_generations(folder, files)
         m = files.manifest
         nbytes = fmt.record_nbytes(files.index, m.pixels)
-        offsets, data_bytes = fmt.layout_offsets(nbytes)
-        gen = fmt.new_generation()
+        offsets, data_bytes = layout_offsets(nbytes)
+        gen = new_generation()
         sizes = {**m.sizes, "data": data_bytes}
         check_free_space(
             folder,
@@ -804,37 +662,31 @@ def compact(cache: str | os.PathLike) -> BuildReport:
             advice="free some space there; the cache is unchanged (a compaction writes the "
             "compact data file beside the current one)",
         )
-        try:
-            fmt.create_data_file(folder / fmt.file_name("data", gen), data_bytes)
+        with generation.discarded_on_failure(
+            folder, gen, "nothing was published; the cache is intact"
+        ):
+            create_data_file(folder / fmt.file_name("data", gen), data_bytes)
             copied = _copy_filled(files, offsets, folder / fmt.file_name("data", gen))
             index = files.index.copy()
             index["offset"] = offsets
-            sizes = fmt.write_generation(
+            sizes = write_generation(
                 folder, gen, index, files.state.copy(), files.paths_blob, data_bytes
             )
             extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,
                                        "sizes": sizes, "extra": extra})  # fmt: skip
-            fmt.write_manifest(manifest)
-        except BaseException as e:
-            if fmt.published_generation(folder) != gen:
-                fmt.remove_generation(folder, gen)
-                full = disk_full_error(e, folder, "nothing was published; the cache is intact")
-                if full is not None:
-                    raise full from None
-            raise
-        fmt.retire(m, manifest)
+            write_manifest(manifest)
+        retire(m, manifest)
     codes = files.state["state"]
-    return BuildReport(
-        cache=folder,
-        images=int((codes == fmt.FILLED).sum()),
-        classes=len(m.classes),
-        bytes=data_bytes,
+    return new_report(
+        folder,
+        codes,
+        len(m.classes),
+        sizes,
+        copied,
         seconds=time.perf_counter() - start,
-        pending=int((codes == fmt.EMPTY).sum()),
-        written_bytes=copied + sum(v for k, v in sizes.items() if k != "data"),
-        garbage_bytes=data_bytes - fmt.live_bytes(offsets, nbytes, data_bytes),
-        dropped_garbage=fmt.garbage_bytes(files),
+        garbage_bytes=data_bytes - live_bytes(offsets, nbytes, data_bytes),
+        dropped_garbage=garbage_bytes(files),
         skipped=list(m.skipped),
     )
 
@@ -847,7 +699,7 @@ def _copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) ->
     dst = os.open(data_path, os.O_WRONLY)
     try:
         for i in filled.tolist():
-            fmt.copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
+            copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
         os.fsync(dst)
     finally:
         os.close(src)

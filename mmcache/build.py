@@ -27,13 +27,12 @@ import time
 from typing import Any
 
 from . import _writer as writer
-from ._feedback import ProgressFn
 from ._workers import DecodePool, decode_records
-from ._writer import BuildReport
 from .decode import Options
+from .reports import BuildReport, ProgressFn
 from .scan import Listing
 
-__all__ = ["BuildReport", "build_cache", "compact_cache", "create_lazy_cache"]
+__all__ = ["build_cache", "compact_cache", "create_lazy_cache"]
 
 
 def build_cache(
@@ -103,9 +102,15 @@ def build_cache(
         SourceChangedError: the cache there was made from another source, and neither
             ``replace`` nor ``source_moved`` is given.
         OptionsChangedError: the cache there has other options, and ``replace`` is False.
-        NotACacheError, DestinationError, StrictBuildError, InsufficientSpaceError,
-        DistributedBuildError, DecodeWorkerError.
-        TypeError, ValueError: an unknown or invalid preprocessing option.
+        NotACacheError: a file, or a folder of other things, is where the cache would go.
+        DestinationError: the cache folder cannot be created or written.
+        StrictBuildError: ``strict`` and a file could not be decoded (nothing is published).
+        InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
+        DistributedBuildError: a rank of a distributed build failed or timed out.
+        DecodeWorkerError: the decode worker processes could not run (they die at start, or on
+            every file).
+        TypeError: an unknown preprocessing option.
+        ValueError: an invalid preprocessing option.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
@@ -148,8 +153,13 @@ def create_lazy_cache(
         >>> report.pending  # doctest: +SKIP
 
     Raises:
-        SourceError, SourceChangedError, OptionsChangedError, NotACacheError,
-        DestinationError, InsufficientSpaceError.
+        SourceError: no source, or no image of it could be cached (nothing is published).
+        SourceChangedError: the cache there was built from another source, and neither
+            ``replace`` nor ``source_moved`` is True.
+        OptionsChangedError: the cache there has other options, and ``replace`` is False.
+        NotACacheError: a file, or a folder of other things, is where the cache would go.
+        DestinationError: the cache folder cannot be created or written.
+        InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, progress=progress, force=force,

@@ -26,9 +26,12 @@ from contextlib import contextmanager, suppress
 
 from ._feedback import count, human_bytes
 from ._version import __version__
-from .build import BuildReport, build_cache
+from .build import build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
+from .reports import BuildReport
+
+__all__ = ["main"]
 
 
 class _Progress:

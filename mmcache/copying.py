@@ -16,38 +16,31 @@ import os
 import shutil
 import time
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
-from ._feedback import ProgressFn
+from ._files import copy_range, create_generation_file, fsync_dir
+from ._generation import (
+    discarded_on_failure,
+    new_generation,
+    open_existing,
+    prepare_folder,
+    remove_stale_generations,
+    retire,
+    write_manifest,
+    writer_lock,
+)
 from .errors import CacheFormatError, DestinationError
-from .space import check_free_space, disk_bytes, disk_full_error
-from .verify import VerifyReport, check_checksums
+from .reports import CopyReport, ProgressFn, VerifyReport
+from .space import check_free_space, disk_bytes
+from .verify import check_checksums
 
-__all__ = ["CopyReport", "copy_cache"]
+__all__ = ["copy_cache"]
 
 # Bytes per copy_range call: progress updates every 64 MiB (~0.1 s on an NVMe disk).
 STEP = 64 << 20
-
-
-@dataclass
-class CopyReport:
-    """What a copy did: ``bytes`` is the caches' size, ``copied`` what was read and written."""
-
-    source: Path
-    dest: Path
-    images: int
-    bytes: int
-    copied: int
-    verified: int
-    seconds: float
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.copied / self.seconds if self.seconds > 0 else 0.0
 
 
 def copy_cache(
@@ -92,15 +85,15 @@ def copy_cache(
         if folder.exists() and os.path.samefile(folder, source):
             raise DestinationError(f"{folder}: is the cache being copied; choose another folder")
         had_lock = (folder / fmt.LOCK_NAME).exists()
-        created = fmt.prepare_folder(folder)
+        created = prepare_folder(folder)
         try:
-            with fmt.writer_lock(folder):
-                previous = fmt.open_existing(folder)
-                fmt.remove_stale_generations(folder, previous)
+            with writer_lock(folder):
+                previous = open_existing(folder)
+                remove_stale_generations(folder, previous)
                 copied, verified, manifest = _copy_generation(fds, files, folder, progress)
-                fmt.write_manifest(manifest)
+                write_manifest(manifest)
                 if previous is not None:
-                    fmt.retire(previous.manifest, manifest)
+                    retire(previous.manifest, manifest)
         except BaseException:
             # A failed copy leaves what was there: no folder it created, no lock file it made.
             if created:
@@ -134,18 +127,18 @@ def _copy_generation(
     check_free_space(  # the holes skipped take no space
         folder, disk_bytes(sizes), advice="free some space there or copy to another disk"
     )
-    gen = fmt.new_generation()
+    gen = new_generation()
     copied = 0
-    try:
+    with discarded_on_failure(folder, gen, "nothing was published"):
         # The state file before the data: a lazy cache being filled marks a record FILLED only
         # after writing its pixels, so every record FILLED in the copied state is in the copy.
         for kind in ("index", "paths", "state", "data"):
-            dst = fmt.create_generation_file(folder, kind, gen, m.sizes[kind])  # holes stay
+            dst = create_generation_file(folder, kind, gen, m.sizes[kind])  # holes stay
             try:
                 for offset, length in regions[kind]:
                     for pos in range(offset, offset + length, STEP):
                         n = min(STEP, offset + length - pos)
-                        fmt.copy_range(fds[kind], dst, pos, pos, n)
+                        copy_range(fds[kind], dst, pos, pos, n)
                         copied += n
                         if progress is not None:
                             progress(copied, total)
@@ -154,17 +147,11 @@ def _copy_generation(
                 os.posix_fadvise(dst, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(dst)
-        fmt.fsync_dir(folder)
+        fsync_dir(folder)
         copy = fmt.Manifest(
             **{**vars(m), "path": folder, "generation": gen, "data_generation": gen}
         )
         verified = _verify(files, copy)
-    except BaseException as e:
-        fmt.remove_generation(folder, gen)
-        full = disk_full_error(e, folder, "nothing was published")
-        if full is not None:
-            raise full from None
-        raise
     return copied, verified, copy
 
 

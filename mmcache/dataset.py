@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from . import format as fmt
 from . import pixels as px
 from ._filler import RecordFiller
+from ._staleness import rebuild_advice, recorded_source, same_options, same_source, stale_reason
 from .build import build_cache, create_lazy_cache
 from .decode import Options, undecodable_reason
 from .errors import (
@@ -45,7 +46,6 @@ from .errors import (
 )
 from .residency import WarmReport, memory, start_warming
 from .scan import Listing, scan_source
-from .staleness import rebuild_advice, recorded_source, same_options, same_source, stale_reason
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")

@@ -35,6 +35,15 @@ from . import pixels as px
 from .errors import DecodeError
 from .probe import probe_size, sniff_format
 
+__all__ = [
+    "COLORS",
+    "DEFAULT_MAX_PIXELS",
+    "INTERPOLATIONS",
+    "Options",
+    "decode_image",
+    "decoder_versions",
+]
+
 # Pillow's decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): 1024 * 1024 * 1024 // 4 // 3.
 DEFAULT_MAX_PIXELS = 89_478_485
 

@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from ._feedback import ProgressFn
-from .build import BuildReport, build_cache
+from .build import build_cache
 from .dataset import MemmapImageDataset
 from .decode import Options, decode_image
 from .loader import BatchLoader
+from .reports import BuildReport, ProgressFn
 from .sample_data import make_image_folder
+
+__all__ = ["DemoReport", "run_demo"]
 
 
 class DecodingDataset(Dataset):

@@ -39,11 +39,10 @@ import numpy as np
 import torch.distributed as dist
 
 from . import _writer as writer
-from ._feedback import ProgressFn
 from ._workers import Result, decode_records
-from ._writer import BuildReport
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
+from .reports import BuildReport, ProgressFn
 
 __all__ = ["balanced_shares", "build_distributed", "torchrun_process_group"]
 

@@ -1,4 +1,4 @@
-"""The on-disk cache format: its specification, and the only code that reads or writes its files.
+"""The on-disk cache format: its specification, and the code that reads and checks its files.
 
 Format version 3.0
 ==================
@@ -113,16 +113,10 @@ Given this text, plain numpy reads a cache::
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import logging
 import os
-import secrets
 import stat
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,15 +124,18 @@ from typing import Any
 import numpy as np
 
 from . import pixels as px
-from .errors import (
-    CacheError,
-    CacheFormatError,
-    CacheNotFoundError,
-    DestinationError,
-    NotACacheError,
-)
+from .errors import CacheFormatError, CacheNotFoundError
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "BAD_HEADER_MISMATCH", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
+    "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FILE_KINDS",
+    "FILLED", "FORMAT_VERSION", "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME",
+    "MAX_CHANNELS", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE",
+    "Manifest", "READS_MAJORS", "STATE_DTYPE", "check_relative_path", "dtype_descr",
+    "file_name", "is_cache_file_name", "is_generation_file_name", "manifest_checksum",
+    "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
+    "validate_records",
+]  # fmt: skip
 
 MAGIC = "mmcache"
 FORMAT_VERSION = (3, 0)
@@ -207,21 +204,6 @@ def dtype_descr(dtype: np.dtype) -> list[list[str]]:
     return [[name, dtype.fields[name][0].str] for name in dtype.names]
 
 
-def aligned(n: int) -> int:
-    """``n`` rounded up to the next multiple of ``DATA_ALIGN``."""
-    return -(-n // DATA_ALIGN) * DATA_ALIGN
-
-
-def layout_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, int]:
-    """Offsets of records of the given byte sizes laid out in order, and the data file size."""
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    if len(sizes) == 0:
-        return np.zeros(0, np.uint64), 0
-    steps = -(-sizes // DATA_ALIGN) * DATA_ALIGN
-    offsets = np.concatenate([[0], np.cumsum(steps[:-1])]).astype(np.uint64)
-    return offsets, int(offsets[-1]) + int(sizes[-1])
-
-
 def record_shapes(index: np.ndarray) -> np.ndarray:
     """(N, 3) int64 array of every record's (height, width, channels)."""
     return np.stack([index["height"], index["width"], index["channels"]], 1).astype(np.int64)
@@ -243,10 +225,6 @@ def version_for(layout: str) -> tuple[int, int]:
     return RGB_FORMAT_VERSION if layout == "rgb" else FORMAT_VERSION
 
 
-def new_generation() -> str:
-    return secrets.token_hex(8)
-
-
 def file_name(kind: str, generation: str) -> str:
     return f"{kind}-{generation}.bin"
 
@@ -265,14 +243,6 @@ def is_generation_file_name(name: str) -> bool:
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
     return kind in FILE_KINDS and ext == "bin" and len(gen) == 16 and _is_hex(gen)
-
-
-def looks_like_cache(names: list[str]) -> bool:
-    """Whether a folder with these entries holds an mmcache cache, finished or being built."""
-    entries = set(names)
-    return any(is_generation_file_name(n) for n in entries) or (
-        MANIFEST_NAME in entries and LOCK_NAME in entries
-    )
 
 
 def _is_hex(s: str) -> bool:
@@ -320,28 +290,6 @@ class Manifest:
         """Whether this generation's records lie in the data file of an earlier generation."""
         return self.data_generation != self.generation
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
-        return {
-            "magic": MAGIC,
-            "format_version": list(version_for(self.pixels)),
-            "generation": self.generation,
-            "files": {kind: self.file(kind).name for kind in FILE_KINDS},
-            "sizes": self.sizes,
-            "count": self.count,
-            "index_dtype": dtype_descr(INDEX_DTYPE),
-            "state_dtype": dtype_descr(STATE_DTYPE),
-            "mode": self.mode,
-            "source": self.source,
-            "options": self.options,
-            "classes": self.classes,
-            "skipped": self.skipped,
-            "warnings": self.warnings,
-            "fingerprints": self.fingerprints,
-            "decoder": self.decoder,
-            **self.extra,
-        }
-
 
 def _fail(path: Path, what: str) -> CacheFormatError:
     return CacheFormatError(f"{path}: {what}")
@@ -364,15 +312,6 @@ def manifest_checksum(m: dict[str, Any]) -> int:
     except RecursionError:
         raise ValueError("nested too deeply") from None
     return zlib.crc32(text.encode("ascii"))
-
-
-def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
-    """zlib CRC-32 of a whole file, read in 1 MiB chunks."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def _is_int(v: Any, lo: int, hi: int) -> bool:
@@ -600,32 +539,6 @@ def _is_entry(e: Any) -> bool:
     )
 
 
-def write_manifest(manifest: Manifest) -> None:
-    """Publish ``manifest`` atomically: write a temporary file, flush it, rename it over.
-
-    The checksums of the index and paths files are computed here, from the files as written, so
-    every writer's manifest carries them.
-    """
-    folder = manifest.path
-    m = manifest.to_json()
-    m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in ("index", "paths")}
-    m["checksums"]["manifest"] = manifest_checksum(m)
-    tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="ascii") as f:
-            json.dump(m, f, indent=1, ensure_ascii=True)  # see the spec: non-UTF-8 names
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / MANIFEST_NAME)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
-        raise
-    manifest.checksums = m["checksums"]
-    manifest.format_version = version_for(manifest.pixels)
-    fsync_dir(folder)
-
-
 @dataclass
 class CacheFiles:
     """The validated index, states and paths of one cache generation (pixels stay on disk)."""
@@ -825,287 +738,3 @@ def open_cache(cache: str | os.PathLike) -> CacheFiles:
             if read_manifest(cache).generation == manifest.generation:
                 raise  # the same cache: the damage is real
     raise CacheFormatError(f"{cache}: rebuilt three times while it was being opened; try again")
-
-
-# --- writing a generation -----------------------------------------------------------------------
-
-
-def create_data_file(path: Path, size: int) -> None:
-    """Create a new generation's data file of ``size`` bytes, sparse until records are written."""
-    with open(path, "wb") as f:
-        f.truncate(size)
-
-
-def create_generation_file(folder: Path, kind: str, generation: str, size: int) -> int:
-    """Create one file of a new generation at its final ``size`` (holes until written); returns
-    a descriptor open for reading and writing, which the caller closes."""
-    fd = os.open(folder / file_name(kind, generation), os.O_RDWR | os.O_CREAT | os.O_EXCL)
-    try:
-        os.ftruncate(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def write_pixels(fd: int, pixels: np.ndarray, offset: int) -> None:
-    """Write a record's pixels at ``offset`` of an open data file with one ``pwrite``.
-
-    ``pwrite``, never a store through a mapping: on a full disk a store to a sparse mapped page
-    kills the process with SIGBUS, where ``pwrite`` raises ``OSError(ENOSPC)``.
-    """
-    written = os.pwrite(fd, pixels, offset)
-    if written != pixels.nbytes:
-        raise OSError(errno.ENOSPC, "short write to the data file")
-
-
-def fsync_dir(folder: Path) -> None:
-    """Flush a folder's entries, so a rename in it survives a power cut."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, length: int) -> None:
-    """Copy ``length`` bytes between two open cache files, in the kernel when it can
-    (``copy_file_range``), else with ``sendfile``, else with ``pread``/``pwrite``.
-
-    Raises:
-        CacheFormatError: the source file ends before ``src_offset + length``.
-    """
-    done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, src_offset + done, dst_offset + done)
-        except OSError as e:
-            # Across filesystems (EXDEV), or where unsupported: move the rest another way.
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            _copy_in_user_space(src, dst, src_offset + done, dst_offset + done, length - done)
-            return
-        if n == 0:
-            raise CacheFormatError(f"the source file ended early, at byte {src_offset + done}")
-        done += n
-
-
-# Bytes per pread in the user-space copy: a buffer large enough to amortise the syscalls.
-_COPY_CHUNK = 8 << 20
-
-
-def _copy_in_user_space(src: int, dst: int, src_offset: int, dst_offset: int, n: int) -> None:
-    done = 0
-    os.lseek(dst, dst_offset, os.SEEK_SET)
-    try:
-        while done < n:  # sendfile writes at dst's position
-            k = os.sendfile(dst, src, src_offset + done, n - done)
-            if k == 0:
-                raise CacheFormatError(f"the source file ended early, at byte {src_offset + done}")
-            done += k
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS):
-            raise
-        while done < n:
-            chunk = os.pread(src, min(_COPY_CHUNK, n - done), src_offset + done)
-            if not chunk:
-                raise CacheFormatError(
-                    f"the source file ended early, at byte {src_offset + done}"
-                ) from None
-            os.pwrite(dst, chunk, dst_offset + done)
-            done += len(chunk)
-
-
-def write_state(fd: int, i: int, crc32: int, code: int) -> None:
-    """Write record ``i``'s 8-byte state ``(crc32, code)`` with one ``pwrite``: it is the last
-    write of a fill, so a record that reads FILLED has its pixels."""
-    os.pwrite(fd, np.array([(crc32, code)], STATE_DTYPE).tobytes(), i * STATE_DTYPE.itemsize)
-
-
-def write_generation(
-    folder: Path,
-    generation: str,
-    index: np.ndarray,
-    state: np.ndarray,
-    paths_blob: bytes,
-    data_bytes: int,
-    data_generation: str | None = None,
-) -> dict[str, int]:
-    """Write a generation's index, state and paths files, cut its data file (its own, or
-    ``data_generation``'s that it shares) to ``data_bytes``, and flush all four to disk;
-    returns the file sizes the manifest records."""
-    blobs = {"index": index.tobytes(), "state": state.tobytes(), "paths": paths_blob}
-    for kind, blob in blobs.items():
-        with open(folder / file_name(kind, generation), "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-    with open(folder / file_name("data", data_generation or generation), "r+b") as f:
-        f.truncate(data_bytes)
-        os.fsync(f.fileno())
-    return {**{kind: len(blob) for kind, blob in blobs.items()}, "data": data_bytes}
-
-
-def index_records(
-    offsets: np.ndarray,
-    shapes: np.ndarray,
-    labels: np.ndarray,
-    paths: list[bytes],
-    source_sizes: np.ndarray,
-    source_mtimes: np.ndarray,
-) -> tuple[np.ndarray, bytes]:
-    """The index records of a generation, in order, and the paths file they point into."""
-    lengths = np.array([len(p) for p in paths], np.uint64)
-    index = np.zeros(len(paths), INDEX_DTYPE)
-    index["offset"] = offsets
-    index["path_offset"] = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(paths) else 0
-    index["path_length"] = lengths
-    index["source_size"] = source_sizes
-    index["source_mtime_ns"] = source_mtimes
-    if len(paths):
-        index["height"], index["width"], index["channels"] = np.asarray(shapes).T
-    index["label"] = labels
-    return index, b"".join(paths)
-
-
-# --- the cache folder -------------------------------------------------------------------------
-
-
-def prepare_folder(folder: Path) -> bool:
-    """Check that ``folder`` is free or holds only cache files, create it and its lock file;
-    True if the folder was created.
-
-    Raises:
-        NotACacheError: a file, or a folder holding other things, is in the way.
-        DestinationError: the folder cannot be created or written.
-    """
-    if folder.exists() and not folder.is_dir():
-        raise NotACacheError(f"{folder}: a file is in the way; choose another cache path")
-    if folder.is_dir():
-        strangers = [n for n in os.listdir(folder) if not is_cache_file_name(n)]
-        if strangers:
-            raise NotACacheError(
-                f"{folder}: exists and is not an mmcache cache (it holds {strangers[0]!r}"
-                f"{' and more' if len(strangers) > 1 else ''}); refusing to write into it"
-            )
-    created = not folder.exists()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        # Opening the lock file for writing is the write test: it is created on the first build.
-        os.close(os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666))
-    except OSError as e:
-        raise DestinationError(f"{folder}: cannot write the cache here ({e.strerror})") from None
-    return created
-
-
-@contextmanager
-def writer_lock(folder: Path) -> Iterator[None]:
-    """Hold the cache's writer lock: writers of one cache run one after the other. A writer
-    that has to wait says so (at INFO, on the ``mmcache`` logger) before it waits."""
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another build of %s to finish (it holds the lock)", folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def open_existing(folder: Path) -> CacheFiles | None:
-    """The cache a writer finds in ``folder``, or None: no cache, or a damaged one (which is
-    then rebuilt from scratch, nothing of it reused)."""
-    try:
-        return read_cache_files(read_manifest(folder))
-    except CacheError:
-        return None
-
-
-def published_generation(folder: Path) -> str | None:
-    """The generation the folder's manifest names now, or None."""
-    try:
-        return read_manifest(folder).generation
-    except CacheError:
-        return None
-
-
-def remove_generation(folder: Path, generation: str) -> None:
-    """Delete the files named after ``generation`` (those that are there): a generation that
-    was being written when its writer failed. A data file it appended to is not its own."""
-    for kind in FILE_KINDS:
-        with suppress(FileNotFoundError):
-            os.unlink(folder / file_name(kind, generation))
-
-
-def retire(previous: Manifest, current: Manifest) -> None:
-    """Delete ``previous``'s files once ``current`` is published: its index, state and paths,
-    and its data file unless ``current``'s records lie in it too."""
-    for kind in FILE_KINDS:
-        if kind != "data" or previous.file("data") != current.file("data"):
-            with suppress(FileNotFoundError):
-                os.unlink(previous.file(kind))
-
-
-def remove_stale_generations(folder: Path, current: CacheFiles | None) -> None:
-    """Delete what killed writers left: the files of every generation but ``current``'s,
-    temporary manifests, and bytes appended to ``current``'s data file past its
-    ``sizes["data"]``. Only a writer holding the lock may call it (no other generation is
-    being written then, and no generation of a longer data file is published)."""
-    keep = {MANIFEST_NAME, LOCK_NAME}
-    if current is not None:
-        keep |= {current.manifest.file(kind).name for kind in FILE_KINDS}
-    for name in os.listdir(folder):  # generation files, and manifests half written
-        if is_cache_file_name(name) and name not in keep:
-            with suppress(FileNotFoundError):
-                os.unlink(folder / name)
-    if current is not None:
-        cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
-
-
-def cut_data_file(path: Path, size: int) -> None:
-    """Truncate the data file at ``path`` to ``size`` bytes if it is longer (what a stopped
-    writer appended past the published records)."""
-    with suppress(FileNotFoundError):
-        if os.stat(path).st_size > size:
-            os.truncate(path, size)
-
-
-def extend_data_file(path: Path, size: int) -> None:
-    """Make the data file at ``path`` at least ``size`` bytes long, the new part sparse: room
-    for records to be appended."""
-    if os.stat(path).st_size < size:
-        os.truncate(path, size)
-
-
-def live_bytes(offsets: np.ndarray, nbytes: np.ndarray, data_size: int) -> int:
-    """Bytes of a data file of ``data_size`` bytes that records at ``offsets`` of ``nbytes``
-    bytes cover: their pixels and the alignment padding after each (see the spec above).
-
-    Records start on ``DATA_ALIGN`` boundaries and do not overlap, so the padding after one
-    record is never inside another and the sum counts no byte twice.
-    """
-    start = np.asarray(offsets, np.int64)
-    size = np.asarray(nbytes, np.int64)
-    padded = -(-size // DATA_ALIGN) * DATA_ALIGN
-    return int(np.clip(np.minimum(padded, data_size - start), 0, None).sum())
-
-
-def found_bad(files: CacheFiles) -> list[dict[str, str]]:
-    """``{"path", "reason"}`` of each record in a ``BAD_*`` state: the files a lazy cache found
-    bad while filling (a build leaves such files out, listing them in ``skipped``)."""
-    codes = files.state["state"]
-    return [
-        {"path": files.path(int(i)), "reason": BAD_REASONS.get(int(codes[i]), "unknown state")}
-        for i in np.flatnonzero(codes > FILLED)
-    ]
-
-
-def garbage_bytes(files: CacheFiles) -> int:
-    """Bytes of the data file no record of this generation covers (records that refreshes
-    replaced or removed); 0 after a first build or a compaction."""
-    size = files.manifest.sizes["data"]
-    index = files.index
-    nbytes = record_nbytes(index, files.manifest.pixels)
-    return max(0, size - live_bytes(index["offset"], nbytes, size))

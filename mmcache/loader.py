@@ -42,13 +42,13 @@ import torch
 
 from . import pixels as px
 from ._feedback import count
+from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
 from .decode import Options
 from .errors import MixedShapesError, StateMismatchError
 from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
-from .staleness import recorded_source
 from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]

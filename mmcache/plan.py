@@ -20,9 +20,11 @@ import psutil
 
 from . import format as fmt
 from . import pixels as px
-from ._feedback import ProgressFn
-from ._layout import layout_from_sizes, probe_sizes
+from ._generation import open_existing
+from ._layout import layout_from_sizes, layout_offsets, probe_sizes
+from ._staleness import fingerprints, is_current, to_match
 from .decode import Options
+from .reports import ProgressFn
 from .scan import Listing, scan_source
 from .space import (
     check_free_space,
@@ -31,7 +33,6 @@ from .space import (
     free_bytes,
     generation_sizes,
 )
-from .staleness import fingerprints, is_current, to_match
 
 __all__ = ["CachePlan", "PolicyPlan", "SizeDistribution", "check_free_space", "plan_cache"]
 
@@ -192,7 +193,7 @@ def plan_cache(
         kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
         layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
         by_layout = {
-            name: fmt.layout_offsets(px.record_nbytes(*layout.shapes.T, name))[1]
+            name: layout_offsets(px.record_nbytes(*layout.shapes.T, name))[1]
             for name in layouts
         }
         return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes), by_layout)
@@ -239,7 +240,7 @@ def _same_shapes(a: Options, b: Options) -> bool:
 
 def _existing(folder: Path | None, listing: Listing, opts: Options) -> tuple[int, bool]:
     """Bytes of the cache at ``folder`` (0 if none), and whether a build would leave it as is."""
-    files = None if folder is None else fmt.open_existing(folder)
+    files = None if folder is None else open_existing(folder)
     if files is None:
         return 0, False
     m = files.manifest

@@ -25,16 +25,24 @@ import os
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
 
 from . import format as fmt
-from ._feedback import ProgressFn
-from .staleness import recorded_source, stale_reason
+from ._generation import found_bad, garbage_bytes
+from ._staleness import recorded_source, stale_reason
+from .reports import CacheInfo, Memory, ProgressFn, WarmReport
+
+__all__ = [
+    "DEFAULT_MAX_MEMORY",
+    "cache_info",
+    "evict_cache",
+    "memory",
+    "resident_bytes",
+    "warm_cache",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,107 +55,6 @@ WINDOW = 1 << 30
 CHUNK = 16 << 20
 DEFAULT_MAX_MEMORY = "90%"
 _UNSUPPORTED = (errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP)
-
-
-@dataclass
-class Memory:
-    """RAM as the page cache sees it: the host's, or a memory-limited control group's."""
-
-    total: int
-    available: int
-    cgroup_limited: bool = False
-
-    @property
-    def used(self) -> int:
-        return self.total - self.available
-
-
-@dataclass
-class CacheInfo:
-    """What ``cache_info`` reports about one cache (``to_json`` for a JSON object).
-
-    Attributes:
-        cache: the cache folder.
-        images: records in the cache; ``filled``: how many hold pixels (all but lazy ones).
-        classes: class names, index = label.
-        min_size / max_size: smallest and largest (height, width, channels) stored, by pixel
-            count; equal when every image has one fixed size (``fixed_size``).
-        data_bytes: the data file's size; ``apparent_bytes`` / ``disk_bytes``: all the files of
-            this generation, by size and by blocks allocated (less when the data file is sparse).
-        live_bytes / garbage_bytes: the data file's bytes the records cover (pixels and
-            alignment padding), and the rest (records that refreshes replaced or removed).
-        format_version, mode, generation, options: from the manifest; skipped: the files the
-            build left out (the manifest's list) and the records lazy fills found bad;
-            ``warnings``: files kept although their decoder complained (a JPEG kept truncated
-            with ``keep_truncated``, say), and files listed under two classes.
-        stale: ``None`` when the source is still matched (or absent), else the reason.
-        source: the folder or list file the cache was made from; ``source_found``: whether it
-            is there (a copied cache's may not be: then it is not compared).
-        resident_bytes: bytes of the data file in the page cache now (``None``: unknown here).
-        ram_total / ram_available: the machine's RAM, or its control group's limit and headroom
-            when that is smaller (``cgroup_limited``).
-    """
-
-    cache: str
-    images: int
-    filled: int
-    classes: list[str]
-    min_size: tuple[int, int, int] | None
-    max_size: tuple[int, int, int] | None
-    data_bytes: int
-    live_bytes: int
-    garbage_bytes: int
-    apparent_bytes: int
-    disk_bytes: int
-    format_version: tuple[int, int]
-    mode: str
-    generation: str
-    options: dict[str, Any]
-    skipped: list[dict[str, Any]]
-    warnings: list[dict[str, Any]]
-    stale: str | None
-    source: str
-    source_found: bool
-    resident_bytes: int | None
-    ram_total: int
-    ram_available: int
-    cgroup_limited: bool = False
-
-    @property
-    def fixed_size(self) -> bool:
-        return self.min_size is not None and self.min_size == self.max_size
-
-    @property
-    def resident_share(self) -> float | None:
-        """Resident bytes / data bytes (1.0 for an empty data file), or None when unknown."""
-        if self.resident_bytes is None:
-            return None
-        return self.resident_bytes / self.data_bytes if self.data_bytes else 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["fixed_size"] = self.fixed_size
-        d["resident_share"] = self.resident_share
-        return d
-
-
-@dataclass
-class WarmReport:
-    """What ``warm_cache`` did. ``stopped_by_budget``: it stopped before the end of the file."""
-
-    cache: str
-    data_bytes: int
-    resident_before: int
-    resident_after: int
-    read_bytes: int
-    seconds: float
-    budget_bytes: int
-    stopped_by_budget: bool
-    ram: Memory = field(repr=False, default_factory=lambda: Memory(0, 0))
-
-    @property
-    def resident_share(self) -> float:
-        return self.resident_after / self.data_bytes if self.data_bytes else 1.0
 
 
 # mincore through libc ------------------------------------------------------------------------
@@ -355,15 +262,15 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         min_size=smallest,
         max_size=largest,
         data_bytes=m.sizes["data"],
-        live_bytes=m.sizes["data"] - fmt.garbage_bytes(files),
-        garbage_bytes=fmt.garbage_bytes(files),
+        live_bytes=m.sizes["data"] - garbage_bytes(files),
+        garbage_bytes=garbage_bytes(files),
         apparent_bytes=sum(s.st_size for s in stats),
         disk_bytes=sum(s.st_blocks * 512 for s in stats),
         format_version=m.format_version,
         mode=m.mode,
         generation=m.generation,
         options=dict(m.options),
-        skipped=list(m.skipped) + fmt.found_bad(files),  # and what lazy fills found bad
+        skipped=list(m.skipped) + found_bad(files),  # and what lazy fills found bad
         warnings=list(m.warnings),
         stale=stale_reason(files) if check_stale else None,
         source=recorded_source(m),

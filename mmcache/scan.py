@@ -35,6 +35,8 @@ from . import format as fmt
 from .errors import SourceError
 from .probe import sniff_format
 
+__all__ = ["IMAGE_EXTENSIONS", "Listing", "ListingDiff", "diff_listings", "scan_source"]
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
@@ -155,7 +157,7 @@ def _holds_cache(folder: Path, rel: str, ignored: list[str]) -> bool:
         names = os.listdir(folder)
     except OSError:
         return False
-    if fmt.looks_like_cache(names):
+    if looks_like_cache(names):
         ignored.append(rel)
         return True
     return False
@@ -178,7 +180,7 @@ def _walk_images(root: Path, top: str, ignored: list[str]) -> list[str]:
         if key in seen:  # a symlink back to a folder already walked: stop the loop here
             continue
         seen.add(key)
-        if rel_dir and fmt.looks_like_cache([e.name for e in entries]):
+        if rel_dir and looks_like_cache([e.name for e in entries]):
             ignored.append(rel_dir)
             continue
         files = []
@@ -402,3 +404,11 @@ def diff_listings(
             relabeled.append(p)
     removed = [p for p in old_paths if p not in new_paths]
     return ListingDiff(added, removed, modified, relabeled, list(old_classes) != new.classes)
+
+
+def looks_like_cache(names: list[str]) -> bool:
+    """Whether a folder with these entries holds an mmcache cache, finished or being built."""
+    entries = set(names)
+    return any(fmt.is_generation_file_name(n) for n in entries) or (
+        fmt.MANIFEST_NAME in entries and fmt.LOCK_NAME in entries
+    )

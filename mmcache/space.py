@@ -19,6 +19,8 @@ from . import format as fmt
 from ._feedback import human_bytes
 from .errors import InsufficientSpaceError
 
+__all__ = ["check_free_space"]
+
 # ext4, xfs and tmpfs allocate 4 KiB blocks: a file of 1 byte takes 4096 on disk.
 BLOCK = 4096
 # Room for manifest.json and its temporary copy: class names and skipped-file lists are a few

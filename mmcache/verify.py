@@ -13,16 +13,18 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import _writer as writer
 from . import format as fmt
-from ._feedback import ProgressFn
+from ._generation import remove_stale_generations, writer_lock
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
+from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
+
+__all__ = ["repair_cache", "verify_cache"]
 
 SOURCE_MODES = (False, "sample", "all")
 # "sample" decodes 1% of the records, and at least 20: enough to catch a decoder that decodes
@@ -32,34 +34,6 @@ SAMPLE_MIN = 20
 # Reads of up to 8 MiB of consecutive records: a syscall per read is then noise next to the
 # copy, and the buffer stays small.
 READ_BYTES = 8 << 20
-
-
-@dataclass
-class BadRecord:
-    """A record that failed verification: its index, its source path, and what is wrong."""
-
-    index: int
-    path: str
-    what: str
-
-
-@dataclass
-class VerifyReport:
-    """What ``verify_cache`` checked and found. ``ok`` is true when nothing is bad."""
-
-    cache: Path
-    records: int  # records in the cache
-    checked: int  # FILLED records whose checksum was checked
-    bytes: int  # pixel bytes read
-    seconds: float
-    empty: int = 0  # lazy records not yet filled (nothing to check)
-    source_compared: int = 0  # records decoded again from the source and compared
-    source_unavailable: int = 0  # source files missing or changed since the build: not compared
-    bad: list[BadRecord] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
 
 
 def verify_cache(
@@ -129,28 +103,6 @@ def _check(
     return report
 
 
-@dataclass
-class RepairReport:
-    """What ``repair_cache`` did. ``found``: what verification found before repairing (under
-    the cache's writer lock, so nothing changed between the two). ``repaired``: the bad records
-    decoded again from ``source``; ``unrepaired``: those left as they were, each with why
-    (``what``: its source file vanished, changed since the build, or no longer decodes).
-    ``generation``: the generation published, or None when nothing was."""
-
-    cache: Path
-    source: Path
-    found: VerifyReport
-    repaired: list[BadRecord] = field(default_factory=list)
-    unrepaired: list[BadRecord] = field(default_factory=list)
-    generation: str | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Whether the cache is sound now: nothing was bad, or every bad record was repaired."""
-        return not self.unrepaired
-
-
 def repair_cache(
     cache: str | os.PathLike,
     source: bool | str = False,
@@ -197,9 +149,9 @@ def repair_cache(
     start = time.perf_counter()
     folder = Path(cache).expanduser().absolute()
     fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
-    with fmt.writer_lock(folder):
+    with writer_lock(folder):
         files = fmt.open_cache(folder)
-        fmt.remove_stale_generations(folder, files)
+        remove_stale_generations(folder, files)
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)

@@ -28,7 +28,7 @@ from mmcache import (
     verify_cache,
 )
 from mmcache import format as fmt
-from mmcache.staleness import stale_reason
+from mmcache._staleness import stale_reason
 
 LONG = os.environ.get("MMCACHE_FAULTS", "") == "long"
 KILLS = 100 if LONG else 10  # per scenario: build and refresh, 20 kills in the quick mode

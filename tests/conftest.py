@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from mmcache import format as fmt
+from mmcache._generation import file_crc32
 
 # The fault tests' fixtures (tests/test_faults_*.py): one session-wide tally for all of them.
 pytest_plugins = ["_faults"]
@@ -174,7 +175,7 @@ def reseal(cache: Path) -> dict:
     """
     path = cache / fmt.MANIFEST_NAME
     m = json.loads(path.read_text())
-    m["checksums"] = {k: fmt.file_crc32(cache / m["files"][k]) for k in ("index", "paths")}
+    m["checksums"] = {k: file_crc32(cache / m["files"][k]) for k in ("index", "paths")}
     m["checksums"]["manifest"] = fmt.manifest_checksum(m)
     path.write_text(json.dumps(m))
     return m

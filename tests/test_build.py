@@ -37,6 +37,7 @@ from mmcache import (
     build_cache,
 )
 from mmcache import format as fmt
+from mmcache._generation import new_generation
 from mmcache.cli import main
 
 
@@ -198,7 +199,7 @@ def test_an_unchanged_source_is_a_no_op(small_folder, tmp_path):
 def test_an_up_to_date_build_clears_what_a_killed_build_left(small_folder, tmp_path):
     cache = tmp_path / "cache"
     build_cache(small_folder, cache, workers=1)
-    leftover = cache / fmt.file_name("data", fmt.new_generation())  # as a kill -9 leaves it
+    leftover = cache / fmt.file_name("data", new_generation())  # as a kill -9 leaves it
     leftover.write_bytes(b"\0" * 4096)
     assert build_cache(small_folder, cache, workers=1).up_to_date
     assert not leftover.exists()

@@ -25,6 +25,7 @@ from mmcache import (
     verify_cache,
 )
 from mmcache import format as fmt
+from mmcache._generation import garbage_bytes
 
 # --- full and read-only disks ---------------------------------------------------------------
 
@@ -115,7 +116,7 @@ def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally
             shutil.rmtree(cache, ignore_errors=True)
             build_cache(versions["A"], cache, workers=1)
             build_cache(versions["B"], cache, workers=1, source_moved=True, compact_at=1.0)
-            assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
+            assert garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
             return {p.name: p.read_bytes() for p in cache.iterdir()}
 
         def pixels() -> dict[str, np.ndarray]:
@@ -155,7 +156,7 @@ def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally
                 outcomes["refused"] += 1
             else:
                 m = fmt.read_manifest(cache)
-                assert not m.shares_data and fmt.garbage_bytes(fmt.read_cache_files(m)) == 0
+                assert not m.shares_data and garbage_bytes(fmt.read_cache_files(m)) == 0
                 got = pixels()
                 assert got.keys() == expected.keys()
                 assert all(np.array_equal(got[k], expected[k]) for k in got)

@@ -30,6 +30,7 @@ from mmcache import (
     build_cache,
 )
 from mmcache import format as fmt
+from mmcache._generation import garbage_bytes
 
 # --- kill -9 ----------------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ def test_kill_9_during_a_compaction_leaves_the_cache_as_it_was(source, tmp_path,
         # compacting by itself)
         target = "B" if kills % 2 == 0 else "A"
         build_cache(source.roots[target], cache, workers=1, source_moved=True, compact_at=1.0)
-        assert fmt.garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
+        assert garbage_bytes(fmt.read_cache_files(fmt.read_manifest(cache))) > 0
         point = build_point(rng, cache)
         proc = popen("-m", "mmcache", "compact", str(cache))
         kills += kill_when(proc, point)

@@ -13,6 +13,8 @@ from conftest import make_folder, reference, write_image
 
 from mmcache import MemmapImageDataset, build_cache, compact_cache, create_lazy_cache
 from mmcache import format as fmt
+from mmcache._generation import garbage_bytes
+from mmcache._layout import aligned
 from mmcache.cli import main
 
 
@@ -55,7 +57,7 @@ def test_a_refresh_appends_what_changed_and_keeps_the_rest_in_place(src, tmp_pat
     record = 40 * 30 * 3
     metadata = sum(v for k, v in after.manifest.sizes.items() if k != "data")
     assert report.written_bytes == record + metadata
-    assert after.manifest.sizes["data"] == fmt.aligned(size) + record
+    assert after.manifest.sizes["data"] == aligned(size) + record
     # the kept records did not move; the replaced one's bytes (and its padding) are now garbage
     moved = {
         after.path(i)
@@ -63,7 +65,7 @@ def test_a_refresh_appends_what_changed_and_keeps_the_rest_in_place(src, tmp_pat
         if int(after.index["offset"][i]) != int(before.index["offset"][i])
     }
     assert moved == {"a/img_003.jpg"}
-    assert report.garbage_bytes == fmt.garbage_bytes(after) == fmt.aligned(record)
+    assert report.garbage_bytes == garbage_bytes(after) == aligned(record)
     assert_serves_the_source(cache, src)
 
 
@@ -77,7 +79,7 @@ def test_padding_between_records_is_not_garbage(src, tmp_path, capsys):
     files = files_of(cache)
     pixels = int(fmt.record_nbytes(files.index, files.manifest.pixels).sum())
     assert files.manifest.sizes["data"] > pixels  # padding
-    assert fmt.garbage_bytes(files) == 0
+    assert garbage_bytes(files) == 0
     assert main(["info", str(cache)]) == 0
     assert "0 B of the data file (0.0%) is garbage" in capsys.readouterr().out
     write_image(src / "b" / "img_040.jpg", 30, 40, seed=4321)
@@ -85,7 +87,7 @@ def test_padding_between_records_is_not_garbage(src, tmp_path, capsys):
     assert "3.65 KB of the data file (1.6%) is garbage" in capsys.readouterr().out
     report = compact_cache(cache)
     assert (report.dropped_garbage, report.garbage_bytes) == (3648, 0)
-    assert fmt.garbage_bytes(files_of(cache)) == 0
+    assert garbage_bytes(files_of(cache)) == 0
 
 
 def test_a_reader_of_the_previous_generation_keeps_its_pixels_through_refreshes(src, tmp_path):
@@ -138,15 +140,15 @@ def test_compact_drops_the_garbage_and_keeps_every_record(src, tmp_path, capsys)
     build_cache(src, cache, workers=0)
     before = files_of(cache)
     pixels_before = pixels_of(before)
-    garbage = fmt.garbage_bytes(before)
-    assert garbage == 5 * fmt.aligned(40 * 30 * 3)
+    garbage = garbage_bytes(before)
+    assert garbage == 5 * aligned(40 * 30 * 3)
     assert main(["info", str(cache)]) == 0
     assert "is garbage (`mmcache compact` drops it)" in capsys.readouterr().out
     assert main(["compact", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "compacted" in out and "of garbage dropped" in out
     after = files_of(cache)
-    assert fmt.garbage_bytes(after) == 0
+    assert garbage_bytes(after) == 0
     assert not after.manifest.shares_data and not before.manifest.file("data").exists()
     assert pixels_of(after) == pixels_before
     assert np.array_equal(after.state, before.state)
@@ -217,5 +219,5 @@ def test_a_refresh_with_no_room_to_compact_appends_and_says_so(tmp_path, capsys)
         assert files.manifest.shares_data  # appended to the first data file
         assert "not compacted: the garbage passed compact_at=0.25, but a compact data" in out
         assert "run `mmcache compact`" in out
-        assert fmt.garbage_bytes(files) == 8 * fmt.aligned(320 * 240 * 3)
+        assert garbage_bytes(files) == 8 * aligned(320 * 240 * 3)
         assert_serves_the_source(cache, src)

@@ -26,6 +26,7 @@ from mmcache import (
     verify_cache,
 )
 from mmcache import format as fmt
+from mmcache._generation import garbage_bytes
 from mmcache.cli import main
 from mmcache.transforms import resized_crop
 
@@ -200,12 +201,12 @@ def test_copy_compact_and_refresh_keep_i420_records(src, yuv, tmp_path):
     cv2.imwrite(str(changed), np.full((9, 13, 3), 200, np.uint8))
     cv2.imwrite(str(src / "b" / "new.jpg"), np.full((5, 6, 3), 30, np.uint8))
     report = build_cache(src, yuv, workers=0, pixels="yuv420", compact_at=1.0)
-    assert report.appended and report.decoded == 2 and fmt.garbage_bytes(fmt.open_cache(yuv)) > 0
+    assert report.appended and report.decoded == 2 and garbage_bytes(fmt.open_cache(yuv)) > 0
     build_cache(src, tmp_path / "fresh", workers=0, pixels="yuv420")
     fresh = _images(tmp_path / "fresh")
     assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
     compact_cache(yuv)
-    assert fmt.garbage_bytes(fmt.open_cache(yuv)) == 0
+    assert garbage_bytes(fmt.open_cache(yuv)) == 0
     assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
     assert verify_cache(yuv).bad == []
 
