@@ -55,7 +55,10 @@ def expected_batch(ds, loader, k):
     idx, boxes, flips = loader.plan(k)
     images = []
     for j, i in enumerate(idx):
-        img = resized_crop(ds.read(int(i)), boxes[j], loader.crop.size, loader.crop.interpolation)
+        interpolation, antialias = loader.crop.kernel
+        img = resized_crop(
+            ds.read(int(i)), boxes[j], loader.crop.size, interpolation, antialias=antialias
+        )
         images.append(img[:, ::-1] if flips is not None and flips[j] else img)
     return np.stack(images), ds.records.labels[idx]
 
@@ -80,6 +83,14 @@ def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
         assert np.array_equal(labels.numpy(), want_labels)
         flipped += int(loader.plan(k)[2].sum())
     assert 0 < flipped < len(ds)  # flips happen, about half the time
+
+
+@pytest.mark.parametrize(("interpolation", "antialias"), [("bilinear", False), ("bicubic", True)])
+def test_the_batch_path_resizes_with_the_crop_s_interpolation(ds, interpolation, antialias):
+    crop = CenterResizedCrop(40, interpolation=interpolation, antialias=antialias)
+    loader = BatchLoader(ds, 8, crop=crop)
+    for k, (images, _) in enumerate(loader):
+        assert np.array_equal(images.numpy(), expected_batch(ds, loader, k)[0])
 
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
