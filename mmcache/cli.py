@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from ._feedback import count, human_bytes
+from ._interpolation import RENAMED
 from ._version import __version__
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
@@ -145,10 +146,24 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _interpolation(text: str) -> str:
+    """argparse type of ``--interpolation``: 2.x's OpenCV names still work, with a warning."""
+    if text in RENAMED:
+        print(
+            f"mmcache: warning: --interpolation {text} is now called {RENAMED[text]} (the same "
+            f"filter; {text} will stop working in the next major release)",
+            file=sys.stderr,
+        )
+        return RENAMED[text]
+    return text
+
+
 def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preprocessing (fixed at build time, recorded in the cache)")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--size", type=_size, metavar="WxH", help="resize to exactly WxH")
+    size.add_argument(
+        "--size", type=_size, metavar="WxH", help="resize to exactly WxH (width x height)"
+    )
     size.add_argument(
         "--max-side", type=_positive, metavar="N", help="shrink so the longer side is at most N"
     )
@@ -160,9 +175,11 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--interpolation",
-        choices=["auto", *INTERPOLATIONS],
+        type=_interpolation,
+        choices=INTERPOLATIONS,
         default="auto",
-        help="resize filter (default auto: area to shrink, linear to enlarge)",
+        help="resize filter, OpenCV's kernel of that name (default auto: area to shrink, "
+        "bilinear to enlarge)",
     )
     g.add_argument(
         "--color",
@@ -194,7 +211,7 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
 
 def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "size": args.size,
+        "size": args.size and (args.size[1], args.size[0]),  # WxH -> Options' (height, width)
         "max_side": args.max_side,
         "short_side": args.short_side,
         "interpolation": args.interpolation,

@@ -439,7 +439,7 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
         raise MixedShapesError(
             f"{dataset.cache}: without crop=, BatchLoader needs records of one shape (H x W x "
             f"C), found {len(distinct)}: {found}{more}; pass crop=mmcache.RandomResizedCrop("
-            "224) (or CenterResizedCrop), or build the cache with size=(W, H)"
+            "224) (or CenterResizedCrop), or build the cache with size=(H, W)"
         )
     return tuple(int(v) for v in distinct[0])
 
