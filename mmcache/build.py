@@ -48,7 +48,7 @@ def build_cache(
     replace: bool = False,
     compact_at: float = writer.COMPACT_AT,
     distributed: bool | None = None,
-    dist_timeout: float = 1800.0,
+    dist_timeout: float = writer.DIST_TIMEOUT,
     **options: Any,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.

@@ -27,9 +27,11 @@ from contextlib import contextmanager, suppress
 from ._feedback import count, human_bytes
 from ._interpolation import RENAMED
 from ._version import __version__
+from ._writer import COMPACT_AT, DIST_TIMEOUT
 from .build import BuildReport, build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, parse_size
 from .errors import CacheError, DistributedBuildError
+from .residency import DEFAULT_MAX_MEMORY
 
 
 class _Progress:
@@ -727,10 +729,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--compact-at",
         type=_share_arg,
-        default=0.25,
+        default=COMPACT_AT,
         metavar="SHARE",
         help="write a compact data file when a refresh would leave more than this share of it "
-        "to replaced records (default 0.25)",
+        f"to replaced records (default {COMPACT_AT})",
     )
     b.add_argument(
         "--trust-decoder",
@@ -740,10 +742,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--dist-timeout",
         type=float,
-        default=1800.0,
+        default=DIST_TIMEOUT,
         metavar="SECONDS",
         help="under torchrun: how long a rank waits for the others before the build fails "
-        "(default 1800)",
+        f"(default {DIST_TIMEOUT:g})",
     )
     b.set_defaults(func=_cmd_build)
 
@@ -813,10 +815,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--max-memory",
         type=_budget,
-        default="90%",
+        default=DEFAULT_MAX_MEMORY,
         metavar="BUDGET",
         help="stop before memory used by processes plus the cache would pass this: a share "
-        "of RAM (90%%) or a size (8G) (default 90%%)",
+        "of RAM (90%%) or a size (8G) (default " + DEFAULT_MAX_MEMORY.replace("%", "%%") + ")",
     )
     cache_command("compact", _cmd_compact, "drop the garbage refreshes left in a cache's data file")
     cache_command("evict", _cmd_evict, "drop a cache's pages from the page cache")

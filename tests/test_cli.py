@@ -376,3 +376,36 @@ def test_file_names_with_odd_bytes_keep_json_json_and_lines_lines(tmp_path, caps
     assert main(["info", str(tmp_path / "c"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert sorted(os.fsencode(s["path"]) for s in info["skipped"]) == sorted(odd)
+
+
+def test_the_cli_s_defaults_are_the_library_s():
+    from dataclasses import fields
+
+    from mmcache.decode import Options
+    from mmcache.demo import run_demo
+    from mmcache.residency import warm_cache
+
+    subcommands = _subcommands()
+    library = {
+        "build": {
+            **{f.name: f.default for f in fields(Options)},
+            **{
+                name: p.default
+                for name, p in inspect.signature(mmcache.build_cache).parameters.items()
+                if p.default is not inspect.Parameter.empty
+            },
+        },
+        "warm": {"max_memory": inspect.signature(warm_cache).parameters["max_memory"].default},
+        "demo": {
+            name: p.default
+            for name, p in inspect.signature(run_demo).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        },
+    }
+    compared = 0
+    for sub, defaults in library.items():
+        for action in subcommands[sub]._actions:
+            if action.dest in defaults and action.default is not None:
+                assert action.default == defaults[action.dest], (sub, action.dest)
+                compared += 1
+    assert compared >= 12
