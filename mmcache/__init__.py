@@ -54,7 +54,13 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type ch
     from .dataset import MemmapImageDataset, Records
     from .loader import BatchLoader
     from .sampler import QuasiRandomSampler
-    from .transforms import CenterCrop, Compose, RandomHorizontalFlip, RandomResizedCrop
+    from .transforms import (
+        CenterCrop,
+        CenterResizedCrop,
+        Compose,
+        RandomHorizontalFlip,
+        RandomResizedCrop,
+    )
 
 __all__ = [
     "BadImageWarning",
@@ -68,6 +74,7 @@ __all__ = [
     "CachePlan",
     "CacheStaleError",
     "CenterCrop",
+    "CenterResizedCrop",
     "Compose",
     "CopyReport",
     "DecodeError",
@@ -115,6 +122,7 @@ _TORCH_PARTS = {
     "QuasiRandomSampler": "sampler",
     "Records": "dataset",
     "CenterCrop": "transforms",
+    "CenterResizedCrop": "transforms",
     "Compose": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",

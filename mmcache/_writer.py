@@ -81,6 +81,9 @@ from .space import (
 # replace 1% of the records copy the whole cache once every 34 of them (3% of a full copy per
 # refresh, amortised: 3 bytes copied per byte replaced). docs/refresh.md has the arithmetic.
 COMPACT_AT = 0.25
+# Seconds a rank of a distributed build waits for the others at each step before the build fails:
+# long enough for the slowest rank's share of a large decode.
+DIST_TIMEOUT = 1800.0
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def build_cache(
     source_moved: bool = False,
     compact_at: float = writer.COMPACT_AT,
     distributed: bool | None = None,
-    dist_timeout: float = 1800.0,
+    dist_timeout: float = writer.DIST_TIMEOUT,
     **options: Any,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
@@ -86,12 +86,13 @@ def build_cache(
             default) does so when a group of more than one process is initialised.
         dist_timeout: in a distributed build, seconds a rank waits for the others at each step
             (rank 0 planning, the slowest share) before the build fails.
-        **options: the preprocessing, fields of ``Options``: ``size=(width, height)``, or
+        **options: the preprocessing, fields of ``Options``: ``size=(height, width)``, or
             ``max_side`` / ``short_side`` to bound a side keeping the aspect ratio (never
-            upscaling); ``interpolation`` (``"auto"``: INTER_AREA to shrink, ``"area"``,
-            ``"linear"``, ``"cubic"``, ``"lanczos"``, ``"nearest"``); ``color`` (``"rgb"``,
-            ``"bgr"``, ``"gray"``); ``max_pixels`` (refuse larger images without decoding
-            them; default Pillow's bomb limit); ``reduced_decode``. Default: native size, RGB.
+            upscaling); ``interpolation`` (``"auto"``: INTER_AREA to shrink, or OpenCV's
+            ``"area"``, ``"bilinear"``, ``"bicubic"``, ``"lanczos"``, ``"nearest"``); ``color``
+            (``"rgb"``, ``"bgr"``, ``"gray"``); ``max_pixels`` (refuse larger images without
+            decoding them; default Pillow's bomb limit); ``reduced_decode``. Default: native
+            size, RGB.
 
     Example:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP

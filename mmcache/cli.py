@@ -25,11 +25,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from ._feedback import count, human_bytes
+from ._interpolation import RENAMED
 from ._version import __version__
+from ._writer import COMPACT_AT, DIST_TIMEOUT
 from .build import build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
 from .reports import BuildReport
+from .residency import DEFAULT_MAX_MEMORY
 
 __all__ = ["main"]
 
@@ -148,10 +151,24 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _interpolation(text: str) -> str:
+    """argparse type of ``--interpolation``: 2.x's OpenCV names still work, with a warning."""
+    if text in RENAMED:
+        print(
+            f"mmcache: warning: --interpolation {text} is now called {RENAMED[text]} (the same "
+            f"filter; {text} will stop working in the next major release)",
+            file=sys.stderr,
+        )
+        return RENAMED[text]
+    return text
+
+
 def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preprocessing (fixed at build time, recorded in the cache)")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--size", type=_size, metavar="WxH", help="resize to exactly WxH")
+    size.add_argument(
+        "--size", type=_size, metavar="WxH", help="resize to exactly WxH (width x height)"
+    )
     size.add_argument(
         "--max-side", type=_positive, metavar="N", help="shrink so the longer side is at most N"
     )
@@ -163,9 +180,11 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--interpolation",
-        choices=["auto", *INTERPOLATIONS],
+        type=_interpolation,
+        choices=INTERPOLATIONS,
         default="auto",
-        help="resize filter (default auto: area to shrink, linear to enlarge)",
+        help="resize filter, OpenCV's kernel of that name (default auto: area to shrink, "
+        "bilinear to enlarge)",
     )
     g.add_argument(
         "--color",
@@ -202,7 +221,7 @@ def _add_preprocessing(p: argparse.ArgumentParser) -> None:
 
 def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "size": args.size,
+        "size": args.size and (args.size[1], args.size[0]),  # WxH -> Options' (height, width)
         "max_side": args.max_side,
         "short_side": args.short_side,
         "interpolation": args.interpolation,
@@ -738,10 +757,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--compact-at",
         type=_share_arg,
-        default=0.25,
+        default=COMPACT_AT,
         metavar="SHARE",
         help="write a compact data file when a refresh would leave more than this share of it "
-        "to replaced records (default 0.25)",
+        f"to replaced records (default {COMPACT_AT})",
     )
     b.add_argument(
         "--trust-decoder",
@@ -751,10 +770,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--dist-timeout",
         type=float,
-        default=1800.0,
+        default=DIST_TIMEOUT,
         metavar="SECONDS",
         help="under torchrun: how long a rank waits for the others before the build fails "
-        "(default 1800)",
+        f"(default {DIST_TIMEOUT:g})",
     )
     b.set_defaults(func=_cmd_build)
 
@@ -824,10 +843,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--max-memory",
         type=_budget,
-        default="90%",
+        default=DEFAULT_MAX_MEMORY,
         metavar="BUDGET",
         help="stop before memory used by processes plus the cache would pass this: a share "
-        "of RAM (90%%) or a size (8G) (default 90%%)",
+        "of RAM (90%%) or a size (8G) (default " + DEFAULT_MAX_MEMORY.replace("%", "%%") + ")",
     )
     cache_command("compact", _cmd_compact, "drop the garbage refreshes left in a cache's data file")
     cache_command("evict", _cmd_evict, "drop a cache's pages from the page cache")

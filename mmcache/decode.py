@@ -32,6 +32,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
+from ._interpolation import NAMES, OPENCV, from_stored, interpolation_name, to_stored
 from .errors import DecodeError
 from .probe import probe_size, sniff_format
 
@@ -47,13 +48,7 @@ __all__ = [
 # Pillow's decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): 1024 * 1024 * 1024 // 4 // 3.
 DEFAULT_MAX_PIXELS = 89_478_485
 
-INTERPOLATIONS = {
-    "area": cv2.INTER_AREA,
-    "linear": cv2.INTER_LINEAR,
-    "cubic": cv2.INTER_CUBIC,
-    "lanczos": cv2.INTER_LANCZOS4,
-    "nearest": cv2.INTER_NEAREST,
-}
+INTERPOLATIONS = ("auto", *NAMES)  # what ``Options.interpolation`` takes
 COLORS = ("rgb", "bgr", "gray")
 # The reason a build gives for a JPEG it skips as cut short (without ``keep_truncated``).
 TRUNCATED = fmt.BAD_REASONS[fmt.BAD_TRUNCATED]
@@ -63,9 +58,15 @@ TRUNCATED = fmt.BAD_REASONS[fmt.BAD_TRUNCATED]
 class Options:
     """The preprocessing a cache applies, fixed at build time and recorded in its manifest.
 
-    At most one of ``size`` (exact ``(width, height)``), ``max_side`` and ``short_side`` (keep the
-    aspect ratio, never upscale) is set; none keeps the native size. ``interpolation`` ``"auto"``
-    uses INTER_AREA to shrink and INTER_LINEAR to enlarge. ``color`` is ``"rgb"``, ``"bgr"`` or
+    At most one of ``size`` (exact ``(height, width)``, as torchvision's and the crops' sizes;
+    the command line's ``--size WxH`` gives width first), ``max_side`` and ``short_side`` (keep
+    the aspect ratio, never upscale) is set; none keeps the native size. ``interpolation``: the
+    crops' names (``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"``, ``"lanczos"``), each
+    OpenCV's kernel (``"bilinear"``: INTER_LINEAR, which does not antialias), or ``"auto"``:
+    INTER_AREA to shrink and INTER_LINEAR to enlarge; 2.x's ``"linear"`` and ``"cubic"`` still
+    work for one release, with a ``FutureWarning``. The manifest records options as 2.x did
+    (``size`` as ``[width, height]``, ``"linear"`` and ``"cubic"``), so that caches keep their
+    fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
     ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
     (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
 
@@ -102,17 +103,14 @@ class Options:
         if self.size is not None:
             size = tuple(int(v) for v in self.size)
             if len(size) != 2 or min(size) < 1:
-                raise ValueError(f"size must be (width, height) of positive ints, got {self.size}")
+                raise ValueError(f"size must be (height, width) of positive ints, got {self.size}")
             object.__setattr__(self, "size", size)
         for name in ("max_side", "short_side", "max_pixels"):
             v = getattr(self, name)
             if v is not None and (int(v) != v or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.interpolation not in ("auto", *INTERPOLATIONS):
-            raise ValueError(
-                f"interpolation must be auto or one of {', '.join(INTERPOLATIONS)}, "
-                f"got {self.interpolation!r}"
-            )
+        name = interpolation_name(self.interpolation, "Options", ("auto",), stacklevel=4)
+        object.__setattr__(self, "interpolation", name)
         if self.color not in COLORS:
             raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
         px.check_layout(self.pixels)
@@ -128,7 +126,9 @@ class Options:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["size"] = list(self.size) if self.size else None
+        # The manifest's 2.x form: [width, height], OpenCV's names (the fingerprint hashes it).
+        d["size"] = [self.size[1], self.size[0]] if self.size else None
+        d["interpolation"] = to_stored(self.interpolation)
         # Caches made before these options existed keep their fingerprint (and 2.x readers,
         # which know no layouts, read an RGB cache's options as ever).
         for name in ("reduced_decode", "keep_truncated"):
@@ -142,7 +142,9 @@ class Options:
     def from_json(cls, d: dict[str, Any]) -> Options:
         d = dict(d)
         if d.get("size") is not None:
-            d["size"] = tuple(d["size"])
+            d["size"] = (d["size"][1], d["size"][0])
+        if "interpolation" in d:
+            d["interpolation"] = from_stored(d["interpolation"])
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -156,7 +158,7 @@ class Options:
         for name in ("size", "max_side", "short_side", "interpolation", "color", "max_pixels"):
             value = getattr(self, name)
             if value != getattr(default, name):
-                shown = f"{value[0]}x{value[1]}" if name == "size" else value
+                shown = f"{value[1]}x{value[0]}" if name == "size" else value  # WxH
                 words.append(f"--{name.replace('_', '-')} {shown}")
         if self.reduced_decode:
             words.append("--reduced-decode")
@@ -174,7 +176,7 @@ class Options:
         """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""
         h, w = height, width
         if self.size is not None:
-            w, h = self.size
+            h, w = self.size
         elif self.max_side is not None and max(h, w) > self.max_side:
             h, w = _scale_to(h, w, max(h, w), self.max_side)
         elif self.short_side is not None and min(h, w) > self.short_side:
@@ -188,7 +190,8 @@ def _scale_to(h: int, w: int, side: int, target: int) -> tuple[int, int]:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """``"224x160"`` -> ``(224, 160)`` (width, height)."""
+    """``"224x160"`` -> ``(224, 160)``: (width, height), the text's order (``Options.size`` is
+    (height, width): the command line swaps them)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
     if not m or min(int(m[1]), int(m[2])) < 1:
         raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 224x224), got {text!r}")
@@ -208,8 +211,8 @@ def preprocess(
     if (oh, ow) != (h, w):
         interp = options.interpolation
         if interp == "auto":
-            interp = "area" if oh <= h and ow <= w else "linear"
-        img = cv2.resize(img, (ow, oh), interpolation=INTERPOLATIONS[interp])
+            interp = "area" if oh <= h and ow <= w else "bilinear"
+        img = cv2.resize(img, (ow, oh), interpolation=OPENCV[interp])
     if options.pixels != "rgb":
         return px.from_bgr(img, options.pixels)  # last, from imread's BGR
     if options.color == "rgb":

@@ -49,7 +49,9 @@ __all__ = ["balanced_shares", "build_distributed", "torchrun_process_group"]
 _NOTHING_PUBLISHED = "nothing was published; the previous cache, if any, is intact"
 
 
-def build_distributed(request: writer.BuildRequest, *, timeout: float = 1800.0) -> BuildReport:
+def build_distributed(
+    request: writer.BuildRequest, *, timeout: float = writer.DIST_TIMEOUT
+) -> BuildReport:
     """Build a cache with every rank of the default process group (``build_cache`` calls this).
 
     Args:
@@ -107,7 +109,7 @@ def balanced_shares(records: np.ndarray, cost: np.ndarray, parts: int) -> list[n
 
 
 @contextmanager
-def torchrun_process_group(timeout: float = 1800.0):
+def torchrun_process_group(timeout: float = writer.DIST_TIMEOUT):
     """Join the process group torchrun describes in the environment, unless one is initialised.
 
     Initialises gloo from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and

@@ -439,7 +439,7 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
         raise MixedShapesError(
             f"{dataset.cache}: without crop=, BatchLoader needs records of one shape (H x W x "
             f"C), found {len(distinct)}: {found}{more}; pass crop=mmcache.RandomResizedCrop("
-            "224) (or CenterCrop), or build the cache with size=(W, H)"
+            "224) (or CenterResizedCrop), or build the cache with size=(H, W)"
         )
     return tuple(int(v) for v in distinct[0])
 
@@ -800,7 +800,7 @@ def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> i
         else:
             top, left, bh, bw = boxes[j]
             src = _box_rows(job, mapped, r, off, shapes[j], top, bh, filled[j], scratch)
-            resize_into(src[:, left : left + bw], ring_images[j], job.crop.interpolation)
+            resize_into(src[:, left : left + bw], ring_images[j], *job.crop.kernel)
         if flips is not None and flips[j]:
             cv2.flip(images[j], 1, dst=images[j])
     return n
@@ -849,10 +849,10 @@ def _fill_planar(
     if box is None:
         px.convert(y, cb, cr, job.color, out)
         return
-    interpolation = job.crop.interpolation
+    kernel = job.crop.kernel
 
     def resize(src: np.ndarray, dst: np.ndarray) -> None:
-        resize_into(torch.from_numpy(src), torch.from_numpy(dst), interpolation)
+        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
 
     px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.color, rows_from)
 

@@ -49,7 +49,7 @@ COMMON_POLICIES: tuple[dict[str, Any], ...] = (
 def describe(options: Options) -> str:
     """A resize policy as the command line spells it: ``"--short-side 256"``, or ``"native"``."""
     if options.size is not None:
-        return f"--size {options.size[0]}x{options.size[1]}"
+        return f"--size {options.size[1]}x{options.size[0]}"
     if options.max_side is not None:
         return f"--max-side {options.max_side}"
     if options.short_side is not None:

@@ -3,10 +3,12 @@
 ``RandomResizedCrop`` draws its boxes with torchvision's algorithm exactly (up to 10 tries of an
 area fraction uniform in ``scale`` and an aspect ratio log-uniform in ``ratio``, each kept if it
 fits; then the fallback: the centre crop of the whole image clamped to ``ratio``).
-``CenterCrop(size, ratio=224/256)`` takes the centre square of ``ratio`` times the shorter side,
-which on images stored at shorter side 256 is torchvision's ``Resize(256)`` + ``CenterCrop(224)``
-(FFCV's ``CenterCropRGBImageDecoder`` means the same). ``RandomHorizontalFlip`` and ``Compose``
-complete the usual pipelines.
+``CenterResizedCrop(size, ratio=224/256)`` resizes the centre square of ``ratio`` times the
+shorter side to ``size``, which on images stored at shorter side 256 is torchvision's
+``Resize(256)`` + ``CenterCrop(224)`` (FFCV's ``CenterCropRGBImageDecoder`` means the same;
+torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing). ``CenterCrop`` is
+its 2.x name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
+``Compose`` complete the usual pipelines.
 
 Each crop works two ways, with the same pixels for the same box: as a per-sample transform of
 ``MemmapImageDataset`` in a standard DataLoader (an H x W x C uint8 array in, ``size`` x C out;
@@ -15,16 +17,21 @@ transforms do), and inside ``BatchLoader(crop=...)``, which draws boxes for a wh
 uniform numbers that are a function of its seed, the epoch and each sample's position, and
 resizes each box of the record straight into its slot of a reused batch buffer.
 
-Resizing is torchvision's by default (``interpolation="bilinear"``): its antialiased bilinear
-filter, computed by the very kernel torchvision's ``resize`` runs on uint8 tensors (torch's
-``_upsample_bilinear2d_aa``), writing straight into the output. OpenCV's filters are there too
-(``"linear"``, ``"area"``, ``"cubic"``, ``"lanczos"``, ``"nearest"``); docs/training.md gives
-how far each is from torchvision's, and how fast, as measured.
+Interpolations have torchvision's names, the build's too (``"nearest"``, ``"bilinear"``,
+``"bicubic"``, plus ``"area"`` and ``"lanczos"``), and resizing is torchvision's by default
+(``interpolation="bilinear", antialias=True``): its antialiased bilinear filter, computed by the
+very kernel torchvision's ``resize`` runs on uint8 tensors (torch's ``_upsample_bilinear2d_aa``),
+writing straight into the output; ``"bicubic"`` antialiased is torch's ``_upsample_bicubic2d_aa``.
+With ``antialias=False``, or for the other names (which torchvision never antialiases), each
+name is OpenCV's kernel, the one a build with ``--interpolation`` of that name stores with
+(``"bilinear"``: ``INTER_LINEAR``). OpenCV's 2.x names ``"linear"`` and ``"cubic"`` still work
+for one release, with a ``FutureWarning``, as ``"bilinear"`` and ``"bicubic"`` without
+antialiasing. docs/training.md gives how far each is from torchvision's, and how fast.
 
 A crop whose output is larger than the largest box it can take of a stored image (the whole
-image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterCrop``) upscales
-that image: part of what the crop means, but over a whole cache most likely a cache built too
-small (``--short-side 128`` cropped to 224). Each crop warns once per output size
+image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterResizedCrop``)
+upscales that image: part of what the crop means, but over a whole cache most likely a cache
+built too small (``--short-side 128`` cropped to 224). Each crop warns once per output size
 (``UserWarning``), naming the sizes and the ``--short-side`` that avoids it.
 """
 
@@ -39,17 +46,18 @@ import cv2
 import numpy as np
 import torch
 
-__all__ = ["CenterCrop", "Compose", "RandomHorizontalFlip", "RandomResizedCrop", "resized_crop"]
+from ._interpolation import NAMES, OPENCV, RENAMED, interpolation_name
 
-# None: torchvision's antialiased bilinear (torch's kernel); the others are OpenCV's filters.
-INTERPOLATIONS = {
-    "bilinear": None,
-    "linear": cv2.INTER_LINEAR,
-    "area": cv2.INTER_AREA,
-    "cubic": cv2.INTER_CUBIC,
-    "lanczos": cv2.INTER_LANCZOS4,
-    "nearest": cv2.INTER_NEAREST,
-}
+__all__ = [
+    "CenterCrop",
+    "CenterResizedCrop",
+    "Compose",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "resized_crop",
+]
+
+INTERPOLATIONS = NAMES  # what ``interpolation`` takes (2.x's "linear" and "cubic" with a warning)
 # torchvision's RandomResizedCrop tries this many boxes before its fallback.
 TRIES = 10
 # Uniform numbers one sample's box and flip are drawn from: an area and a ratio per try, the
@@ -68,10 +76,12 @@ def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     return pair
 
 
-def _interpolation(name: str) -> str:
-    if name not in INTERPOLATIONS:
-        raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {name!r}")
-    return name
+def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
+    """``(interpolation, antialias)`` in today's names: a 2.x name (OpenCV's, which never
+    antialiased) warns and becomes the new name without antialiasing."""
+    if interpolation in RENAMED:
+        antialias = False
+    return interpolation_name(interpolation, what, stacklevel=4), bool(antialias)
 
 
 class _Crop:
@@ -79,9 +89,9 @@ class _Crop:
 
     draws = 0  # uniform numbers a box takes (a deterministic crop takes none)
 
-    def __init__(self, size: int | Sequence[int], interpolation: str) -> None:
+    def __init__(self, size: int | Sequence[int], interpolation: str, antialias: bool) -> None:
         self.size = size
-        self.interpolation = _interpolation(interpolation)
+        self.interpolation, self.antialias = _kernel(interpolation, antialias, type(self).__name__)
         self._upscale_warned: tuple[int, int] | None = None  # the size it last warned of
 
     def short_side_needed(self) -> int:
@@ -125,6 +135,11 @@ class _Crop:
         )
 
     @property
+    def kernel(self) -> tuple[str, bool]:
+        """``(interpolation, antialias)``: ``resize_into``'s last two arguments."""
+        return self.interpolation, self.antialias
+
+    @property
     def size(self) -> tuple[int, int]:
         """The output ``(height, width)``. Set it (an int or a pair) to change the output size,
         between epochs of a ``BatchLoader`` for progressive resizing."""
@@ -150,7 +165,8 @@ class _Crop:
         """The crop of one H x W x C array, resized to ``size`` (a new array)."""
         self.warn_if_upscaling(np.array([img.shape[:2]]))
         u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
-        return resized_crop(img, self.box(*img.shape[:2], u), self.size, self.interpolation)
+        box = self.box(*img.shape[:2], u)
+        return resized_crop(img, box, self.size, self.interpolation, antialias=self.antialias)
 
 
 class RandomResizedCrop(_Crop):
@@ -161,9 +177,10 @@ class RandomResizedCrop(_Crop):
         size: output size: an int (square) or ``(height, width)``.
         scale: bounds of the box's area, as fractions of the image's.
         ratio: bounds of the box's aspect ratio (width / height), drawn log-uniformly.
-        interpolation: ``"bilinear"`` (torchvision's antialiased bilinear, see the module
-            docstring), or OpenCV's ``"linear"``, ``"area"``, ``"cubic"``, ``"lanczos"``,
-            ``"nearest"``.
+        interpolation: ``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"`` or
+            ``"lanczos"`` (see the module docstring).
+        antialias: for ``"bilinear"`` and ``"bicubic"``, torchvision's antialiased kernels
+            (torch's); ``False``: OpenCV's, as the build resizes. Other names ignore it.
 
     Example:
         >>> crop = RandomResizedCrop(224)
@@ -179,8 +196,9 @@ class RandomResizedCrop(_Crop):
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         interpolation: str = "bilinear",
+        antialias: bool = True,
     ) -> None:
-        super().__init__(size, interpolation)
+        super().__init__(size, interpolation, antialias)
         if not 0 < scale[0] <= scale[1]:
             raise ValueError(f"scale must be (low, high) with 0 < low <= high, got {scale}")
         if not 0 < ratio[0] <= ratio[1]:
@@ -214,23 +232,27 @@ class RandomResizedCrop(_Crop):
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-class CenterCrop(_Crop):
+class CenterResizedCrop(_Crop):
     """The centre box of ``ratio`` times the image's shorter side, square, resized to ``size``.
 
     With images stored at shorter side 256 (``mmcache build --short-side 256``) and the default
-    ``ratio=224/256``, ``CenterCrop(224)`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``
-    for validation, without the resize (the box is already 224 pixels wide).
+    ``ratio=224/256``, ``CenterResizedCrop(224)`` is torchvision's ``Resize(256)`` +
+    ``CenterCrop(224)`` for validation, without the resize (the box is already 224 pixels wide).
 
     Args:
         size: output size: an int (square) or ``(height, width)``.
         ratio: the box's side as a fraction of the image's shorter side.
-        interpolation: as for ``RandomResizedCrop``.
+        interpolation, antialias: as for ``RandomResizedCrop``.
     """
 
     def __init__(
-        self, size: int | Sequence[int], ratio: float = 224 / 256, interpolation: str = "bilinear"
+        self,
+        size: int | Sequence[int],
+        ratio: float = 224 / 256,
+        interpolation: str = "bilinear",
+        antialias: bool = True,
     ) -> None:
-        super().__init__(size, interpolation)
+        super().__init__(size, interpolation, antialias)
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be within (0, 1], got {ratio}")
         self.ratio = float(ratio)
@@ -242,6 +264,21 @@ class CenterCrop(_Crop):
         side = max(1, round(min(height, width) * self.ratio))
         # torchvision's centre: int(round((height - side) / 2)), likewise the left
         return round((height - side) / 2), round((width - side) / 2), side, side
+
+
+class CenterCrop(CenterResizedCrop):
+    """``CenterResizedCrop`` under its 2.x name, which means a plain crop to torchvision users:
+    deprecated, it warns (``FutureWarning``) and goes in the next major release."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "mmcache.CenterCrop is now CenterResizedCrop (it resizes the centre box of ratio x "
+            "the shorter side, where torchvision's CenterCrop cuts size pixels); the old name "
+            "will stop working in the next major release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)
 
 
 class RandomHorizontalFlip:
@@ -274,11 +311,14 @@ def resized_crop(
     size: tuple[int, int],
     interpolation: str = "bilinear",
     out: np.ndarray | None = None,
+    *,
+    antialias: bool = True,
 ) -> np.ndarray:
     """``img[top:top + height, left:left + width]`` of an H x W x C uint8 array, resized to
     ``size`` (height, width): torchvision's ``resized_crop`` with the default interpolation.
 
     ``out``: a contiguous ``size`` x C uint8 array to write into, else a new one.
+    ``interpolation``, ``antialias``: as for ``RandomResizedCrop``.
     """
     top, left, bh, bw = (int(v) for v in box)
     if out is None:
@@ -286,28 +326,36 @@ def resized_crop(
     if not img.flags.writeable:
         img = img.copy()  # torch refuses to wrap read-only memory without a warning
     src = torch.from_numpy(img)[top : top + bh, left : left + bw]
-    resize_into(src, torch.from_numpy(out), interpolation)
+    resize_into(src, torch.from_numpy(out), *_kernel(interpolation, antialias, "resized_crop"))
     return out
 
 
-def resize_into(src: torch.Tensor, out: torch.Tensor, interpolation: str = "bilinear") -> None:
+def resize_into(
+    src: torch.Tensor, out: torch.Tensor, interpolation: str = "bilinear", antialias: bool = True
+) -> None:
     """Resize the uint8 H x W x C tensor ``src`` (any strides, a view of a record's box, say)
     into the contiguous uint8 H x W x C tensor ``out``, allocating nothing: what every crop
-    and ``BatchLoader`` resize with."""
+    and ``BatchLoader`` resize with. ``interpolation``, ``antialias``: as the crops' (today's
+    names only)."""
     if src.shape == out.shape:
         out.copy_(src)
         return
-    flag = INTERPOLATIONS[interpolation]
-    if flag is None:
+    kernel = _ANTIALIASED.get(interpolation) if antialias else None
+    if kernel is not None:
         # The kernel of torchvision's resize(antialias=True) on uint8, on N x C x H x W views
         # of the H x W x C memory (channels_last), written into ``out`` itself.
-        _BILINEAR_AA(src.permute(2, 0, 1)[None], list(out.shape[:2]), False, None, None,
-                     out=out.permute(2, 0, 1)[None])  # fmt: skip
+        kernel(src.permute(2, 0, 1)[None], list(out.shape[:2]), False, None, None,
+               out=out.permute(2, 0, 1)[None])  # fmt: skip
         return
+    flag = OPENCV[interpolation]
     dst = out.numpy()
     done = cv2.resize(src.numpy(), (dst.shape[1], dst.shape[0]), dst=dst, interpolation=flag)
     if done.ctypes.data != dst.ctypes.data:  # cv2 made its own array: dst was not usable
         dst[...] = done.reshape(dst.shape)
 
 
-_BILINEAR_AA = torch.ops.aten._upsample_bilinear2d_aa.out
+# torch's antialiased kernels, those torchvision's resize runs; the other names are OpenCV's.
+_ANTIALIASED = {
+    "bilinear": torch.ops.aten._upsample_bilinear2d_aa.out,
+    "bicubic": torch.ops.aten._upsample_bicubic2d_aa.out,
+}

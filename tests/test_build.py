@@ -584,3 +584,42 @@ def test_a_file_under_two_classes_is_kept_twice_with_a_warning(small_folder, tmp
     assert [w["path"] for w in report.warnings] == ["dog/linked.jpg"]
     assert "the same file as cat/img_000.jpg" in report.warnings[0]["reason"]
     assert fmt.read_manifest(tmp_path / "cache").warnings == report.warnings
+
+
+def test_size_is_height_width_and_interpolations_have_torchvision_s_names(small_folder, tmp_path):
+    import hashlib
+
+    from mmcache.decode import Options
+
+    report = build_cache(
+        small_folder, tmp_path / "c", size=(24, 32), interpolation="bilinear", workers=1
+    )
+    assert report.images and MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
+    # The manifest keeps 2.x's form ([width, height], OpenCV's names), so 2.x caches stay current
+    options = fmt.read_manifest(tmp_path / "c").options
+    assert options["size"] == [32, 24] and options["interpolation"] == "linear"
+    stored = {"size": [32, 24], "max_side": None, "short_side": None, "interpolation": "linear",
+              "color": "rgb", "max_pixels": 89_478_485}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(stored, sort_keys=True).encode()).hexdigest()
+    assert Options(size=(24, 32), interpolation="bilinear").fingerprint() == digest
+    assert Options.from_json(stored) == Options(size=(24, 32), interpolation="bilinear")
+    # 2.x's names still work, warning, and name the same cache
+    with pytest.warns(FutureWarning, match="'linear' is now called 'bilinear'"):
+        again = build_cache(
+            small_folder, tmp_path / "c", size=(24, 32), interpolation="linear", workers=1
+        )
+    assert again.up_to_date
+
+
+def test_the_cli_s_size_is_width_x_height_and_its_2x_interpolation_names_warn(
+    small_folder, tmp_path, capsys
+):
+    args = ["build", str(small_folder), str(tmp_path / "c"), "--size", "32x24", "--workers", "1"]
+    assert main([*args, "--interpolation", "cubic"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --interpolation cubic is now called bicubic" in err
+    options = fmt.read_manifest(tmp_path / "c").options
+    assert options["size"] == [32, 24] and options["interpolation"] == "cubic"
+    assert MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
+    assert main([*args, "--interpolation", "bicubic"]) == 0
+    assert "up to date" in capsys.readouterr().out

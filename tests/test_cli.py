@@ -418,3 +418,36 @@ def test_another_source_is_one_line_offering_replace_and_source_moved_which_work
     assert "0 decoded, 12 reused" in capsys.readouterr().out
     assert main(["build", str(small_folder), cache, "--short-side", "32", "--replace"]) == 0
     assert MemmapImageDataset(cache).samples[0][0].startswith(str(small_folder.resolve()))
+
+
+def test_the_cli_s_defaults_are_the_library_s():
+    from dataclasses import fields
+
+    from mmcache.decode import Options
+    from mmcache.demo import run_demo
+    from mmcache.residency import warm_cache
+
+    subcommands = _subcommands()
+    library = {
+        "build": {
+            **{f.name: f.default for f in fields(Options)},
+            **{
+                name: p.default
+                for name, p in inspect.signature(mmcache.build_cache).parameters.items()
+                if p.default is not inspect.Parameter.empty
+            },
+        },
+        "warm": {"max_memory": inspect.signature(warm_cache).parameters["max_memory"].default},
+        "demo": {
+            name: p.default
+            for name, p in inspect.signature(run_demo).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        },
+    }
+    compared = 0
+    for sub, defaults in library.items():
+        for action in subcommands[sub]._actions:
+            if action.dest in defaults and action.default is not None:
+                assert action.default == defaults[action.dest], (sub, action.dest)
+                compared += 1
+    assert compared >= 12

@@ -286,14 +286,14 @@ def test_a_changed_source_warns_with_a_summary(cache, small_folder):
 
 def test_the_stale_warning_names_the_options_and_the_command_that_updates(small_folder, tmp_path):
     cache = tmp_path / "c"
-    build_cache(small_folder, cache, short_side=20, interpolation="cubic", workers=1)
+    build_cache(small_folder, cache, short_side=20, interpolation="bicubic", workers=1)
     write_image(small_folder / "dog" / "extra.jpg", 20, 20, seed=7)
     with pytest.warns(StaleCacheWarning) as caught:
         MemmapImageDataset(cache)
     message = str(caught[0].message)
     assert "the source changed: 1 added (dog/extra.jpg)" in message
-    assert "it was built with --short-side 20 --interpolation cubic" in message
-    command = f"mmcache build {small_folder} {cache} --short-side 20 --interpolation cubic"
+    assert "it was built with --short-side 20 --interpolation bicubic" in message
+    command = f"mmcache build {small_folder} {cache} --short-side 20 --interpolation bicubic"
     assert f"`{command}` updates it" in message
 
 

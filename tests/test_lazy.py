@@ -239,21 +239,21 @@ def test_options_are_applied_and_other_options_replace_the_cache_only_when_asked
     build_cache(src, cache, workers=1)
     built = fmt.read_manifest(cache).generation
     with pytest.raises(OptionsChangedError, match="made with the defaults .* --size 16x12"):
-        MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+        MemmapImageDataset(cache, source=src, size=(12, 16), color="gray")
     assert fmt.read_manifest(cache).generation == built  # untouched
-    ds = MemmapImageDataset(cache, source=src, size=(16, 12), color="gray", replace=True)
+    ds = MemmapImageDataset(cache, source=src, size=(12, 16), color="gray", replace=True)
     m = fmt.read_manifest(cache)
     assert m.mode == "lazy" and (_codes(cache) == fmt.EMPTY).all()
     assert ds[3][0].shape == (12, 16, 1)
     assert all(ds[i][0].shape == (12, 16, 1) for i in range(24))
     assert_equals_build(
-        cache, src, tmp_path / "ref", size=(16, 12), color="gray", same_offsets=True
+        cache, src, tmp_path / "ref", size=(12, 16), color="gray", same_offsets=True
     )
     # the same options again open the cache as it is
-    MemmapImageDataset(cache, source=src, size=(16, 12), color="gray")
+    MemmapImageDataset(cache, source=src, size=(12, 16), color="gray")
     assert fmt.read_manifest(cache).generation == m.generation
     with pytest.raises(ValueError, match="only with source"):
-        MemmapImageDataset(cache, size=(16, 12))
+        MemmapImageDataset(cache, size=(12, 16))
 
 
 def test_a_built_cache_of_the_same_source_and_options_is_opened_as_it_is(src, tmp_path):

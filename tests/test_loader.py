@@ -319,10 +319,10 @@ def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_
 
 TRUNCATE_SCRIPT = """
 import os, shutil, sys, time
-from mmcache import BatchLoader, CacheFormatError, CenterCrop, MemmapImageDataset
+from mmcache import BatchLoader, CacheFormatError, CenterResizedCrop, MemmapImageDataset
 cache, work, read = sys.argv[1:]
 for case in ("during", "new iteration"):
-    for crop in (None, CenterCrop(16)):
+    for crop in (None, CenterResizedCrop(16)):
         copy = os.path.join(work, f"{case}-{crop is not None}")
         shutil.copytree(cache, copy)
         ds = MemmapImageDataset(copy)

@@ -111,7 +111,7 @@ def test_testimages_in_every_color_mode(testimages, tmp_path, color):
 CASES = [
     ((720, 480), {}, (720, 480), None),
     ((720, 480), {"size": (224, 224)}, (224, 224), cv2.INTER_AREA),
-    ((100, 60), {"size": (200, 120)}, (200, 120), cv2.INTER_LINEAR),  # enlarging: linear
+    ((100, 60), {"size": (120, 200)}, (200, 120), cv2.INTER_LINEAR),  # enlarging: linear
     ((720, 480), {"max_side": 360}, (360, 240), cv2.INTER_AREA),
     ((480, 720), {"max_side": 100}, (67, 100), cv2.INTER_AREA),
     ((300, 200), {"max_side": 512}, (300, 200), None),  # never upscale
@@ -122,10 +122,10 @@ CASES = [
     ((101, 33), {"max_side": 50}, (50, 16), cv2.INTER_AREA),  # 33 * 50 / 101 = 16.34
     ((3, 1000), {"short_side": 2}, (2, 667), cv2.INTER_AREA),  # 1000 * 2 / 3 = 666.67
     ((1000, 3), {"max_side": 100}, (100, 1), cv2.INTER_AREA),  # 0.3: never less than 1 pixel
-    ((720, 480), {"size": (64, 64), "interpolation": "cubic"}, (64, 64), cv2.INTER_CUBIC),
+    ((720, 480), {"size": (64, 64), "interpolation": "bicubic"}, (64, 64), cv2.INTER_CUBIC),
     ((720, 480), {"size": (64, 64), "interpolation": "nearest"}, (64, 64), cv2.INTER_NEAREST),
     ((720, 480), {"size": (64, 64), "interpolation": "lanczos"}, (64, 64), cv2.INTER_LANCZOS4),
-    ((720, 480), {"size": (64, 64), "interpolation": "linear"}, (64, 64), cv2.INTER_LINEAR),
+    ((720, 480), {"size": (64, 64), "interpolation": "bilinear"}, (64, 64), cv2.INTER_LINEAR),
 ]
 
 
@@ -179,7 +179,7 @@ def test_reduced_decode_is_explicit_recorded_and_close_to_the_reference(tmp_path
 
 def test_reduced_decode_picks_the_largest_factor_that_keeps_the_output_size(tmp_path):
     path = write_image(tmp_path / "src" / "a.jpg", 720, 480, seed=9)
-    build_cache(tmp_path / "src", tmp_path / "c", size=(300, 200), reduced_decode=True, workers=1)
+    build_cache(tmp_path / "src", tmp_path / "c", size=(200, 300), reduced_decode=True, workers=1)
     img = MemmapImageDataset(tmp_path / "c")[0][0]
     # 720/2 = 360 >= 300 but 720/4 = 180 < 300: read at 1/2, then resized with INTER_AREA
     half = cv2.imread(str(path), cv2.IMREAD_REDUCED_COLOR_2)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from mmcache import (
     BatchLoader,
-    CenterCrop,
+    CenterResizedCrop,
     MemmapImageDataset,
     MixedShapesError,
     QuasiRandomSampler,
@@ -55,7 +55,10 @@ def expected_batch(ds, loader, k):
     idx, boxes, flips = loader.plan(k)
     images = []
     for j, i in enumerate(idx):
-        img = resized_crop(ds.read(int(i)), boxes[j], loader.crop.size, loader.crop.interpolation)
+        interpolation, antialias = loader.crop.kernel
+        img = resized_crop(
+            ds.read(int(i)), boxes[j], loader.crop.size, interpolation, antialias=antialias
+        )
         images.append(img[:, ::-1] if flips is not None and flips[j] else img)
     return np.stack(images), ds.records.labels[idx]
 
@@ -82,9 +85,17 @@ def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
     assert 0 < flipped < len(ds)  # flips happen, about half the time
 
 
+@pytest.mark.parametrize(("interpolation", "antialias"), [("bilinear", False), ("bicubic", True)])
+def test_the_batch_path_resizes_with_the_crop_s_interpolation(ds, interpolation, antialias):
+    crop = CenterResizedCrop(40, interpolation=interpolation, antialias=antialias)
+    loader = BatchLoader(ds, 8, crop=crop)
+    for k, (images, _) in enumerate(loader):
+        assert np.array_equal(images.numpy(), expected_batch(ds, loader, k)[0])
+
+
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     # A centre crop has one box per image: both paths must agree on its pixels exactly.
-    crop = CenterCrop(40)  # boxes of 44..70 pixels, resized down
+    crop = CenterResizedCrop(40)  # boxes of 44..70 pixels, resized down
     batches = BatchLoader(ds, 6, crop=crop)
     per_sample = MemmapImageDataset(cache, transform=crop)
     loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
@@ -139,7 +150,7 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
 
 
 def _loader(ds, **kw):
-    return BatchLoader(ds, 4, crop=CenterCrop(32), **kw)
+    return BatchLoader(ds, 4, crop=CenterResizedCrop(32), **kw)
 
 
 def _saved(loader, batches=2):
@@ -209,7 +220,7 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
         s.set_epoch(2)
         return s
 
-    cropped = MemmapImageDataset(cache, transform=CenterCrop(32))
+    cropped = MemmapImageDataset(cache, transform=CenterResizedCrop(32))
     whole = list(DataLoader(cropped, batch_size=4, sampler=sampler()))
     loader = DataLoader(cropped, batch_size=4, sampler=sampler(), num_workers=2)
     it = iter(loader)
@@ -224,11 +235,11 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     for (a, la), (b, lb) in zip(rest, whole[5:]):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # a BatchLoader over the same sampler resumes the same way
-    batch_loader = BatchLoader(ds, 4, sampler=sampler(), crop=CenterCrop(32))
+    batch_loader = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
     full = epoch(batch_loader)
     state = batch_loader.state_dict()
     state["batches"] = 5
-    again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterCrop(32))
+    again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
     again.load_state_dict(json.loads(json.dumps(state)))
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
 
@@ -247,15 +258,16 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
     src, small = cache.parent / "src", tmp_path / "small"
     assert cli.main(["build", str(src), str(small), "--short-side", "40"]) == 0
     with pytest.warns(UserWarning) as caught:
-        list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+        list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterResizedCrop(42)))
     command = f"mmcache build {src} {small} --short-side 48 --replace"
     assert str(caught[0].message) == (
-        "CenterCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the smallest: "
-        f"40), so they are upscaled to 42x42; the cache was made with --short-side 40: rebuild "
-        f"it with `{command}` (images smaller in the source stay as they are), or crop smaller"
+        "CenterResizedCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the "
+        "smallest: 40), so they are upscaled to 42x42; the cache was made with --short-side 40: "
+        f"rebuild it with `{command}` (images smaller in the source stay as they are), or crop "
+        "smaller"
     )
     assert cli.main(command.split()[1:]) == 0
-    list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterCrop(42)))
+    list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterResizedCrop(42)))
 
 
 def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
@@ -292,10 +304,10 @@ def test_no_pixel_buffer_is_allocated_per_batch(ds):
 
 def test_normalised_batches_on_the_cpu(ds):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    plain = BatchLoader(ds, 5, seed=0, shuffle=True, crop=CenterCrop(32))
+    plain = BatchLoader(ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32))
     for dtype, channels_last in ((torch.float32, True), (torch.float16, False)):
         normed = BatchLoader(
-            ds, 5, seed=0, shuffle=True, crop=CenterCrop(32), normalize=(mean, std),
+            ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32), normalize=(mean, std),
             dtype=dtype, channels_last=channels_last,
         )  # fmt: skip
         for (u8, _), (x, _) in zip(epoch(plain), epoch(normed)):

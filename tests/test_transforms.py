@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.functional import interpolate
 
-from mmcache import CenterCrop, Compose, RandomHorizontalFlip, RandomResizedCrop
+from mmcache import CenterResizedCrop, Compose, RandomHorizontalFlip, RandomResizedCrop
 from mmcache.transforms import DRAWS, TRIES, resized_crop
 
 
@@ -163,8 +163,11 @@ def test_a_whole_image_box_is_a_plain_resize_and_opencv_filters_are_opencv_s():
 
     img = _photo()
     whole = (0, 0, 256, 384)
-    for name, flag in (("linear", cv2.INTER_LINEAR), ("area", cv2.INTER_AREA)):
-        out = resized_crop(img, whole, (160, 200), name)
+    for name, flag in (("bilinear", cv2.INTER_LINEAR), ("bicubic", cv2.INTER_CUBIC)):
+        out = resized_crop(img, whole, (160, 200), name, antialias=False)
+        assert np.array_equal(out, cv2.resize(img, (200, 160), interpolation=flag))
+    for name, flag in (("area", cv2.INTER_AREA), ("nearest", cv2.INTER_NEAREST)):
+        out = resized_crop(img, whole, (160, 200), name)  # never antialiased, as torchvision's
         assert np.array_equal(out, cv2.resize(img, (200, 160), interpolation=flag))
     # a box of the output's size is copied, not resampled
     assert np.array_equal(resized_crop(img, (3, 4, 224, 224), (224, 224)), img[3:227, 4:228])
@@ -178,37 +181,37 @@ def test_gray_records_stay_one_channel():
 
 def test_center_crop_is_resize_256_then_center_crop_224_on_a_short_side_256_image():
     img = _photo(256, 384)
-    out = CenterCrop(224)(img)
+    out = CenterResizedCrop(224)(img)
     assert np.array_equal(out, img[16:240, 80:304])  # torchvision: round((256-224)/2) = 16
     portrait = _photo(341, 256, seed=3)
-    assert np.array_equal(CenterCrop(224)(portrait), portrait[58:282, 16:240])
+    assert np.array_equal(CenterResizedCrop(224)(portrait), portrait[58:282, 16:240])
     # on another size the box is 224/256 of the shorter side, then resized
     big = _photo(480, 720)
-    box = CenterCrop(224).boxes(np.array([[480, 720]]))[0]
+    box = CenterResizedCrop(224).boxes(np.array([[480, 720]]))[0]
     assert tuple(box) == (30, 150, 420, 420)
-    assert np.array_equal(CenterCrop(224)(big), resized_crop(big, box, (224, 224)))
+    assert np.array_equal(CenterResizedCrop(224)(big), resized_crop(big, box, (224, 224)))
 
 
 def test_a_crop_larger_than_the_image_warns_once_per_size_naming_the_short_side_to_build():
     small = _photo(128, 170)
-    crop = CenterCrop(224)
+    crop = CenterResizedCrop(224)
     with pytest.warns(UserWarning) as caught:
         crop(small)
     assert len(caught) == 1 and str(caught[0].message) == (
-        "CenterCrop(224x224): an image of shorter side 128, under 256, is upscaled to 224x224; "
-        "if the cache was built with a smaller --short-side (or --max-side, --size), rebuild it "
-        "with `mmcache build SOURCE CACHE --short-side 256 --replace`; else the source images "
-        "are that small: crop smaller, or accept the upscaling"
+        "CenterResizedCrop(224x224): an image of shorter side 128, under 256, is upscaled to "
+        "224x224; if the cache was built with a smaller --short-side (or --max-side, --size), "
+        "rebuild it with `mmcache build SOURCE CACHE --short-side 256 --replace`; else the source "
+        "images are that small: crop smaller, or accept the upscaling"
     )
     crop(small)  # once per size: no second warning (pytest makes warnings errors)
     crop.size = 160
-    with pytest.warns(UserWarning, match=r"CenterCrop\(160x160\): .* --short-side 183"):
+    with pytest.warns(UserWarning, match=r"CenterResizedCrop\(160x160\): .* --short-side 183"):
         crop(small)
     random = RandomResizedCrop((100, 140))
     with pytest.warns(UserWarning, match=r"shorter side 64, under 100, .* --short-side 100"):
         random(_photo(64, 90))
     # an image that holds the largest box the crop takes is not upscaled: no warning
-    CenterCrop(224)(_photo(256, 300))
+    CenterResizedCrop(224)(_photo(256, 300))
     RandomResizedCrop(224)(_photo(224, 300))
 
 
@@ -230,10 +233,43 @@ def test_per_sample_transforms_use_torch_s_generator_and_pickle():
         (lambda: RandomResizedCrop(0), "size must be"),
         (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
         (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
-        (lambda: RandomResizedCrop(224, interpolation="bicubic"), "interpolation must be"),
-        (lambda: CenterCrop(224, ratio=1.5), "ratio must be"),
+        (lambda: RandomResizedCrop(224, interpolation="hamming"), "interpolation must be"),
+        (lambda: CenterResizedCrop(224, ratio=1.5), "ratio must be"),
     ],
 )
 def test_bad_arguments_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_bicubic_is_torch_s_antialiased_bicubic():
+    img = _photo()
+    out = resized_crop(img, (10, 20, 200, 300), (100, 120), "bicubic")
+    crop = torch.from_numpy(np.ascontiguousarray(img[10:210, 20:320])).permute(2, 0, 1)[None]
+    floats = interpolate(crop.float(), size=(100, 120), mode="bicubic", antialias=True)
+    reference = floats[0].permute(1, 2, 0).round().clamp(0, 255).numpy()
+    assert np.abs(out.astype(int) - reference).max() <= 1  # torchvision's float path, rounded
+
+
+def test_center_crop_is_the_deprecated_name_of_center_resized_crop():
+    import mmcache
+
+    img = _photo()
+    with pytest.warns(FutureWarning, match="CenterCrop is now CenterResizedCrop"):
+        old = mmcache.CenterCrop(160, ratio=0.75)
+    assert isinstance(old, CenterResizedCrop)
+    assert np.array_equal(old(img), CenterResizedCrop(160, ratio=0.75)(img))
+
+
+@pytest.mark.parametrize(("old", "new"), [("linear", "bilinear"), ("cubic", "bicubic")])
+def test_opencv_s_2x_interpolation_names_warn_and_keep_their_pixels(old, new):
+    import cv2
+
+    img = _photo()
+    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
+        crop = RandomResizedCrop(100, interpolation=old)
+    assert crop.kernel == (new, False)  # OpenCV's kernel, as before: no antialiasing
+    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
+        out = resized_crop(img, (0, 0, 256, 384), (160, 200), old)
+    flag = cv2.INTER_LINEAR if old == "linear" else cv2.INTER_CUBIC
+    assert np.array_equal(out, cv2.resize(img, (200, 160), interpolation=flag))

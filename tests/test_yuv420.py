@@ -15,7 +15,7 @@ import mmcache
 from mmcache import (
     BatchLoader,
     CacheFormatError,
-    CenterCrop,
+    CenterResizedCrop,
     MemmapImageDataset,
     OptionsChangedError,
     RandomResizedCrop,
@@ -269,7 +269,9 @@ def test_without_crop_whole_records_convert_into_the_batch(yuv, tmp_path):
 
 
 @pytest.mark.parametrize("read", ["mmap", "pread"])
-@pytest.mark.parametrize("crop", [RandomResizedCrop(40), CenterCrop(32)], ids=["rrc", "center"])
+@pytest.mark.parametrize(
+    "crop", [RandomResizedCrop(40), CenterResizedCrop(32)], ids=["rrc", "center"]
+)
 def test_the_crop_path_is_within_tolerance_of_cropping_the_converted_record(photos, crop, read):
     # Planes resized then converted against converted then resized: docs/pixels.md states the
     # tolerance (a chroma box rounded outwards at odd coordinates; rounding in between).

@@ -27,7 +27,18 @@ from torch.nn.functional import interpolate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmcache.sample_data import make_photo  # noqa: E402
-from mmcache.transforms import DRAWS, INTERPOLATIONS, RandomResizedCrop, resized_crop  # noqa: E402
+from mmcache.transforms import DRAWS, RandomResizedCrop, resized_crop  # noqa: E402
+
+# (interpolation, antialias): every kernel a crop offers (antialias matters to these two only).
+KERNELS = [
+    ("bilinear", True),
+    ("bilinear", False),
+    ("area", True),
+    ("bicubic", True),
+    ("bicubic", False),
+    ("lanczos", True),
+    ("nearest", True),
+]
 
 
 def documented_reference(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
@@ -75,15 +86,15 @@ def main() -> int:
         kernel = kernel[0].permute(1, 2, 0).numpy()
         refs.append((kernel.astype(np.int16), documented_reference(box, *size).astype(np.int16)))
     print(f"{args.crops} RandomResizedCrop({args.size}) boxes of 384x256 photos; levels 0-255")
-    print(f"{'interpolation':<14} {'vs torch kernel: mean':>22} {'max':>5} {'>1':>7}   "
+    print(f"{'interpolation':<16} {'vs torch kernel: mean':>22} {'max':>5} {'>1':>7}   "
           f"{'vs documented: mean':>20} {'max':>5} {'>1':>7}   {'us/crop':>8}")  # fmt: skip
-    for name in INTERPOLATIONS:
+    for name, antialias in KERNELS:
         out = np.empty((*size, 3), np.uint8)
         diffs = [[], []]
         seconds = 0.0
         for k, box in enumerate(boxes):
             start = time.perf_counter()
-            resized_crop(photos[k % len(photos)], box, size, name, out)
+            resized_crop(photos[k % len(photos)], box, size, name, out, antialias=antialias)
             seconds += time.perf_counter() - start
             for d, ref in zip(diffs, refs[k]):
                 d.append(np.abs(out.astype(np.int16) - ref))
@@ -91,7 +102,8 @@ def main() -> int:
         for d in diffs:
             a = np.stack(d)
             cells += [f"{a.mean():.3f}", f"{a.max()}", f"{(a > 1).mean():.2%}"]
-        print(f"{name:<14} {cells[0]:>22} {cells[1]:>5} {cells[2]:>7}   {cells[3]:>20} "
+        label = name if antialias or name not in ("bilinear", "bicubic") else f"{name}, no aa"
+        print(f"{label:<16} {cells[0]:>22} {cells[1]:>5} {cells[2]:>7}   {cells[3]:>20} "
               f"{cells[4]:>5} {cells[5]:>7}   {seconds / len(boxes) * 1e6:>8.0f}")  # fmt: skip
     print("reproduce: python tools/crop_closeness.py " + " ".join(sys.argv[1:]))
     return 0

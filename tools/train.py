@@ -6,12 +6,13 @@
 
 It builds (or reuses) caches of the training and validation images stored at shorter side 256
 (``mmcache build SRC CACHE --short-side 256``), trains on ``RandomResizedCrop`` + horizontal
-flips and validates on ``CenterCrop`` (the centre 224/256 of the shorter side), both gathered by
-``BatchLoader`` into normalised batches, and prints each epoch's loss, accuracies and images
-per second. With ``--checkpoint`` it saves the model, the optimiser and the loader's position
-every ``--save-every`` steps and at the end of each epoch; ``--resume`` loads it and goes on from
-the next batch of the same epoch, with the same crops. ``--source`` takes an ImageFolder-style
-tree with ``train/`` and ``val/`` folders; without it, photo-like demo images are generated.
+flips and validates on ``CenterResizedCrop`` (the centre 224/256 of the shorter side), both
+gathered by ``BatchLoader`` into normalised batches, and prints each epoch's loss, accuracies
+and images per second. With ``--checkpoint`` it saves the model, the optimiser and the loader's
+position every ``--save-every`` steps and at the end of each epoch; ``--resume`` loads it and
+goes on from the next batch of the same epoch, with the same crops. ``--source`` takes an
+ImageFolder-style tree with ``train/`` and ``val/`` folders; without it, photo-like demo images
+are generated.
 Under torchrun, ``tools/train_ddp.py`` runs the same training with DistributedDataParallel.
 """
 
@@ -129,7 +130,7 @@ def make_run(
         **loader_args,
     )
     val = mmcache.BatchLoader(
-        val_ds, args.batch_size, crop=mmcache.CenterCrop(args.size), **loader_args
+        val_ds, args.batch_size, crop=mmcache.CenterResizedCrop(args.size), **loader_args
     )
     torch.manual_seed(args.seed)
     model = small_cnn(len(train_ds.classes)).to(device).to(memory_format=torch.channels_last)

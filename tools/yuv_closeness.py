@@ -6,10 +6,10 @@ Builds an RGB cache and an I420 cache of the same folder, with the same options,
 generated photo-like JPEGs (``mmcache.sample_data``) and every image in tests/data/testimages
 (real-world files: camera JPEGs, PNGs, gray, CMYK, EXIF-rotated, 16-bit). For each image it
 compares (a) the whole record as ``MemmapImageDataset`` returns it and (b) the output of
-``BatchLoader`` with RandomResizedCrop and with CenterCrop (the same seed, so the same boxes, on
-both caches). Prints each set's cache sizes, then, per set and per kind, the median and worst
-PSNR (dB, of the 8-bit image) and the largest per-pixel difference (levels, 0-255), then the
-worst images. An image that is
+``BatchLoader`` with RandomResizedCrop and with CenterResizedCrop (the same seed, so the same
+boxes, on both caches). Prints each set's cache sizes, then, per set and per kind, the median
+and worst PSNR (dB, of the 8-bit image) and the largest per-pixel difference (levels, 0-255),
+then the worst images. An image that is
 identical in both gives PSNR "inf" (counted as 99 dB in medians).
 """
 
@@ -53,7 +53,7 @@ def compare(src: Path, work: Path, short_side: int | None, crop: int, seed: int)
         rows["whole record"].append((psnr(a, b), int(np.abs(a.astype(int) - b).max()), name))
     for kind, make in (
         (f"RandomResizedCrop({crop})", lambda: mmcache.RandomResizedCrop(crop)),
-        (f"CenterCrop({crop})", lambda: mmcache.CenterCrop(crop)),
+        (f"CenterResizedCrop({crop})", lambda: mmcache.CenterResizedCrop(crop)),
     ):
         rows[kind] = []
         batches = [
