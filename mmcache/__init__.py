@@ -41,7 +41,7 @@ from .scan import scan_source
 from .verify import BadRecord, RepairReport, VerifyReport, repair_cache, verify_cache
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type checkers
-    from .dataset import MemmapImageDataset, Records
+    from .dataset import MemmapImageDataset
     from .loader import BatchLoader
     from .sampler import QuasiRandomSampler
     from .transforms import CenterCrop, Compose, RandomHorizontalFlip, RandomResizedCrop
@@ -73,7 +73,6 @@ __all__ = [
     "QuasiRandomSampler",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
-    "Records",
     "RepairReport",
     "SourceError",
     "StaleCacheWarning",
@@ -102,7 +101,6 @@ _TORCH_PARTS = {
     "BatchLoader": "loader",
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
-    "Records": "dataset",
     "CenterCrop": "transforms",
     "Compose": "transforms",
     "RandomHorizontalFlip": "transforms",

@@ -50,7 +50,6 @@ MAX_START_FAILURES = 3
 MAX_CRASHES_BEFORE_ANY_IMAGE = 8
 
 
-
 class Job(NamedTuple):
     """One record to decode: where its file is, what it was listed as, where its pixels go."""
 

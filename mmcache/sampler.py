@@ -331,8 +331,8 @@ def _layout(data_source: Sized) -> tuple[str, np.ndarray, np.ndarray] | None:
     """(data file, record offsets, record byte sizes) of a MemmapImageDataset, else None."""
     if not isinstance(data_source, MemmapImageDataset):
         return None
-    records = data_source.records
-    return str(data_source.data_path), records.offsets, records.nbytes
+    reader = data_source.reader
+    return str(reader.data_path), reader.records.offsets, reader.records.nbytes
 
 
 def _default_block_size(n: int, layout: tuple[str, np.ndarray, np.ndarray] | None) -> int:

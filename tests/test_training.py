@@ -57,7 +57,7 @@ def expected_batch(ds, loader, k):
     for j, i in enumerate(idx):
         img = resized_crop(ds.read(int(i)), boxes[j], loader.crop.size, loader.crop.interpolation)
         images.append(img[:, ::-1] if flips is not None and flips[j] else img)
-    return np.stack(images), ds.records.labels[idx]
+    return np.stack(images), ds.reader.records.labels[idx]
 
 
 def test_a_mixed_size_cache_is_covered_once_per_epoch_with_its_labels(ds):
@@ -66,7 +66,7 @@ def test_a_mixed_size_cache_is_covered_once_per_epoch_with_its_labels(ds):
     for k, (images, labels) in enumerate(loader):
         assert images.shape[1:] == (32, 32, 3) and images.dtype == torch.uint8
         idx = loader.plan(k)[0]
-        assert labels.tolist() == ds.records.labels[idx].tolist()
+        assert labels.tolist() == ds.reader.records.labels[idx].tolist()
         seen += idx.tolist()
     assert sorted(seen) == list(range(len(ds)))  # every record once, of every shape
 
@@ -95,7 +95,8 @@ def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     img = RandomResizedCrop(40)(ds.read(3))
     torch.manual_seed(0)
     box = RandomResizedCrop(40).boxes(
-        ds.records.shapes[3:4], torch.rand(1, RandomResizedCrop.draws, dtype=torch.float64).numpy()
+        ds.reader.records.shapes[3:4],
+        torch.rand(1, RandomResizedCrop.draws, dtype=torch.float64).numpy(),
     )[0]
     assert np.array_equal(img, resized_crop(ds.read(3), box, (40, 40)))
 

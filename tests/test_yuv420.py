@@ -73,7 +73,7 @@ def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
         assert c == 3
         y, cb, cr = ds.planes(i)
         assert y.shape == (h, w) and cb.shape == cr.shape == ((h + 1) // 2, (w + 1) // 2)
-        assert int(ds.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
+        assert int(ds.reader.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
         for got, want in zip((y, cb, cr), _i420(path)):
             # OpenCV's fixed-point arithmetic rounds within a level of the float rule
             assert np.abs(got.astype(int) - want).max() <= 1, path
