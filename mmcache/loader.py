@@ -81,7 +81,7 @@ class BatchLoader:
     Args:
         dataset: an opened cache. Its ``transform`` and ``target_transform`` must be None:
             crop with ``crop``, transform the batches (on the GPU, typically).
-        batch_size: records per batch.
+        batch_size: records per batch. The arguments after it are keyword-only.
         shuffle: a new random order each epoch (see ``seed``, ``set_epoch``).
         sampler: any iterable of record indices (``RandomSampler``, ``DistributedSampler``,
             ``QuasiRandomSampler``...); with a sampler, ``shuffle`` must be False, as in
@@ -138,6 +138,7 @@ class BatchLoader:
         self,
         dataset: MemmapImageDataset,
         batch_size: int,
+        *,
         shuffle: bool = False,
         sampler: Iterable[int] | None = None,
         drop_last: bool = False,
@@ -147,7 +148,6 @@ class BatchLoader:
         prefetch: int = 2,
         seed: int | None = None,
         read: str = "auto",
-        *,
         crop: Any = None,
         flip: bool = False,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
@@ -276,18 +276,21 @@ class BatchLoader:
             self.crop.size = tuple(state["size"])
         self._start = self._done = int(state["batches"])
 
-    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    def draw_batch(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """What batch ``batch`` of the current epoch holds: its record indices, each one's crop
         box ``(top, left, height, width)`` (None without ``crop``) and whether it is flipped
-        (None without ``flip``), as the threads compute them. For checking and debugging; it
-        runs the sampler, if any, once more.
+        (None without ``flip``), as the threads draw them. For checking and debugging; it runs
+        the sampler, if any, once more.
 
         The current epoch's seed is the loader's ``seed``, or with None that of its last
         iteration.
+
+        Raises:
+            ValueError: ``seed=None`` and no iteration has drawn a seed yet.
         """
         seed = self.seed if self.seed is not None else self._iteration_seed
         if seed is None:
-            raise ValueError("plan(): seed=None and no iteration has drawn a seed yet")
+            raise ValueError("draw_batch(): seed=None and no iteration has drawn a seed yet")
         first = batch * self.batch_size
         order, ahead = self._order(seed)
         if ahead is not None:
@@ -297,6 +300,17 @@ class BatchLoader:
         boxes, flips = draw(self.crop, self.flip, (seed, self.epoch, self._rank()), shapes,
                             first, Scratch())  # fmt: skip
         return idx, boxes, flips
+
+    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Deprecated alias of ``draw_batch``, renamed because ``plan_cache`` and ``CachePlan``
+        mean a cache's size plan."""
+        warnings.warn(
+            "BatchLoader.plan() is deprecated and will be removed in the next release: call "
+            "draw_batch(), which returns the same",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.draw_batch(batch)
 
     def _rank(self) -> int:
         """This process's rank, which the draws of boxes and flips depend on, as its sampler's."""

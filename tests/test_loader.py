@@ -260,6 +260,12 @@ def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds, loader_threads
     assert loader_threads() == []
 
 
+def test_arguments_after_batch_size_are_keyword_only(ds):
+    with pytest.raises(TypeError, match="positional"):
+        BatchLoader(ds, 4, True)  # shuffle? sampler? a reader cannot tell
+    assert BatchLoader(ds, 4, shuffle=True).shuffle
+
+
 def test_a_cache_of_several_shapes_is_refused(small_folder, tmp_path):
     build_cache(small_folder, tmp_path / "mixed", workers=1)
     found = r"one shape \(H x W x C\), found 4: 17x33x3 \(3 images\), "

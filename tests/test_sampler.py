@@ -12,6 +12,30 @@ from mmcache import MemmapImageDataset, QuasiRandomSampler, build_cache
 from mmcache import sampler as sampler_mod
 
 
+def test_state_dict_records_the_position_the_sampler_reached():
+    whole = _order(50, seed=3, block_size=4)
+    s = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    s.set_epoch(0)
+    it = iter(s)
+    taken = [next(it) for _ in range(13)]
+    state = s.state_dict()  # no argument, as torch's state_dict()
+    assert state["start"] == 13 and taken == whole[:13]
+    resumed = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["start"] == 13  # loaded, not yet iterated
+    assert list(resumed) == whole[13:]
+    assert resumed.state_dict()["start"] == 50  # the epoch is done
+    resumed.set_epoch(1)
+    assert resumed.state_dict()["start"] == 0
+
+
+def test_state_dict_consumed_is_deprecated_and_still_recorded():
+    s = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    with pytest.warns(DeprecationWarning, match=r"state_dict\(consumed=\.\.\.\) is deprecated"):
+        state = s.state_dict(consumed=20)
+    assert state["start"] == 20
+
+
 def _order(n: int, **kw) -> list[int]:
     return list(QuasiRandomSampler(range(n), **kw))
 

@@ -262,7 +262,7 @@ def test_without_crop_whole_records_convert_into_the_batch(yuv, tmp_path):
         images = torch.cat([b for b, _ in BatchLoader(ds, 4, read=read, num_threads=2)])
         assert torch.equal(images, torch.from_numpy(np.stack(_images(tmp_path / "same-yuv"))))
     flipped = next(iter(BatchLoader(ds, 9, flip=True, seed=1)))[0]
-    _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).plan(0)
+    _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).draw_batch(0)
     want = [img[:, ::-1] if f else img for img, f in zip(_images(tmp_path / "same-yuv"), flips)]
     assert torch.equal(flipped, torch.from_numpy(np.stack(want)))
 
@@ -275,7 +275,7 @@ def test_the_crop_path_is_within_tolerance_of_cropping_the_converted_record(phot
     loader = BatchLoader(photos, 5, shuffle=True, seed=4, crop=crop, flip=True, read=read)
     worst = []
     for k, (images, _) in enumerate(loader):
-        idx, boxes, flips = loader.plan(k)
+        idx, boxes, flips = loader.draw_batch(k)
         for j, i in enumerate(idx):
             want = resized_crop(photos.read(int(i)), boxes[j], crop.size, crop.interpolation)
             want = want[:, ::-1] if flips[j] else want
