@@ -319,6 +319,24 @@ def test_normalised_batches_on_the_cpu(ds):
             assert torch.allclose(x.double(), want, atol=tolerance)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_device_batches_are_normalised_as_the_cpu_ring_s(channels_last):
+    """A CUDA batch is normalised into a new tensor, a CPU one into the ring's buffer: the same
+    numbers and memory format either way (checked on the CPU, which runs the same code)."""
+    from mmcache._batches import Normalize, output
+
+    norm = Normalize(((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 3, torch.float32)
+    images = torch.randint(0, 256, (4, 6, 5, 3), dtype=torch.uint8)
+    buffer = torch.empty((4, 6, 5, 3)).permute(0, 3, 1, 2) if channels_last else None
+    buffer = torch.empty((4, 3, 6, 5)) if buffer is None else buffer
+    into_ring = output(images, norm, channels_last, buffer)
+    new = output(images, norm, channels_last)
+    assert into_ring.data_ptr() == buffer.data_ptr() and torch.equal(new, into_ring)
+    for x in (new, into_ring):
+        assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert x.is_contiguous() != channels_last
+
+
 def test_without_crop_mixed_shapes_are_refused_with_the_way_out(ds):
     with pytest.raises(MixedShapesError, match="pass crop=mmcache.RandomResizedCrop"):
         BatchLoader(ds, 4)
