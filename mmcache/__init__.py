@@ -51,7 +51,7 @@ from .scan import scan_source
 from .verify import repair_cache, verify_cache
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type checkers
-    from .dataset import MemmapImageDataset, Records
+    from .dataset import MemmapImageDataset
     from .loader import BatchLoader
     from .sampler import QuasiRandomSampler
     from .transforms import (
@@ -90,7 +90,6 @@ __all__ = [
     "QuasiRandomSampler",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
-    "Records",
     "RepairReport",
     "SourceChangedError",
     "SourceError",
@@ -120,7 +119,6 @@ _TORCH_PARTS = {
     "BatchLoader": "loader",
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
-    "Records": "dataset",
     "CenterCrop": "transforms",
     "CenterResizedCrop": "transforms",
     "Compose": "transforms",

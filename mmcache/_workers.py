@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from multiprocessing.connection import wait
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -49,8 +50,33 @@ MAX_START_FAILURES = 3
 # Crashes with no record decoded yet, before the build gives up: the decoder is broken.
 MAX_CRASHES_BEFORE_ANY_IMAGE = 8
 
-Job = tuple[int, str, int, tuple[int, int, int], int, int]
-Result = tuple[int, int, int, str, "np.ndarray | None"]
+
+class Job(NamedTuple):
+    """One record to decode: where its file is, what it was listed as, where its pixels go."""
+
+    record: int  # its index in the cache
+    path: str  # the source file, absolute
+    offset: int  # where its pixels start in the data file
+    shape: tuple[int, int, int]  # (height, width, channels) planned from the file's header
+    size: int  # the file's size when listed, in bytes
+    mtime_ns: int  # the file's modification time when listed
+
+    @property
+    def end(self) -> int:
+        """Where the record's pixels end at most: ``offset`` + height * width * channels (a
+        planar record is smaller)."""
+        h, w, c = self.shape
+        return self.offset + h * w * c
+
+
+class Result(NamedTuple):
+    """What decoding one record came to."""
+
+    record: int  # its index in the cache
+    state: int  # fmt.FILLED or a BAD_* code
+    crc32: int  # the CRC-32 of the stored pixels (0 unless FILLED)
+    message: str  # what the decoder said (warnings), or why the file is bad; "" if nothing
+    overflow: np.ndarray | None  # pixels of another shape than planned, written later
 
 
 def chunked(jobs: list[Job]) -> list[list[Job]]:
@@ -137,7 +163,7 @@ def _decode_here(jobs: list[list[Job]], data_path: str, opts: Options) -> Iterat
     capture = StderrCapture()
     try:
         for chunk in jobs:
-            yield [_decode_job(fd, opts, capture, *job) for job in chunk]
+            yield [_decode_job(fd, opts, capture, job) for job in chunk]
     finally:
         os.close(fd)
         capture.close()
@@ -243,8 +269,8 @@ class _Pool:
                 raise value
             else:
                 out.append(value)
-                self.decoded += value[1] == fmt.FILLED
-                self.suspects.pop(value[0], None)
+                self.decoded += value.state == fmt.FILLED
+                self.suspects.pop(value.record, None)
                 w.done += 1
                 if w.done == len(w.chunks[0]):
                     w.chunks.popleft()
@@ -268,10 +294,10 @@ class _Pool:
             for chunk in reversed([rest, *w.chunks]):
                 if chunk:
                     pending.appendleft(chunk)
-            i = culprit[0]
+            i = culprit.record
             if i in self.suspects:  # its second try: the file is to blame
                 reason = f"the decoder crashed on it: its process {why}, on both tries"
-                out.append((i, fmt.BAD_UNDECODABLE, 0, reason, None))
+                out.append(Result(i, fmt.BAD_UNDECODABLE, 0, reason, None))
                 self.suspects.pop(i)
             else:
                 self.suspects[i] = why
@@ -346,7 +372,7 @@ def _serve(conn, options: dict) -> None:
                 fd = os.open(value, os.O_WRONLY)
                 continue
             for job in value:
-                conn.send(("done", _decode_job(fd, opts, capture, *job)))
+                conn.send(("done", _decode_job(fd, opts, capture, job)))
             start_writeback(fd, value)
     except EOFError:
         pass  # the parent is gone
@@ -365,8 +391,8 @@ def start_writeback(fd: int, chunk: list[Job]) -> None:
     Only a hint: where the call is missing, the final flush does it all."""
     if _sync_file_range is None or not chunk:
         return
-    first = min(job[2] for job in chunk)
-    last = max(job[2] + job[3][0] * job[3][1] * job[3][2] for job in chunk)
+    first = min(job.offset for job in chunk)
+    last = max(job.end for job in chunk)
     _sync_file_range(fd, first, last - first, _SYNC_FILE_RANGE_WRITE)
 
 
@@ -384,24 +410,14 @@ _sync_file_range = _libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pages
 
 
-def _decode_job(
-    fd: int,
-    opts: Options,
-    capture: StderrCapture,
-    i: int,
-    path: str,
-    offset: int,
-    shape: tuple[int, int, int],
-    size: int,
-    mtime_ns: int,
-) -> Result:
-    code, crc, message, pixels = decode_record(path, size, mtime_ns, opts, capture)
+def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Result:
+    code, crc, message, pixels = decode_record(job.path, job.size, job.mtime_ns, opts, capture)
     if code != fmt.FILLED:
-        return i, code, 0, message, None
-    if px.image_shape(pixels) != shape:
-        return i, fmt.FILLED, crc, message, pixels  # header lied or was unreadable: overflow
-    write_pixels(fd, pixels, offset)
-    return i, fmt.FILLED, crc, message, None
+        return Result(job.record, code, 0, message, None)
+    if px.image_shape(pixels) != job.shape:  # the header lied or was unreadable: overflow
+        return Result(job.record, fmt.FILLED, crc, message, pixels)
+    write_pixels(fd, pixels, job.offset)
+    return Result(job.record, fmt.FILLED, crc, message, None)
 
 
 def _portable(e: BaseException) -> BaseException:

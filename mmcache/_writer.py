@@ -283,13 +283,13 @@ class Generation:
         listing, layout = self.listing, self.layout
         return chunked(
             [
-                (
-                    i,
-                    listing.abspath(i),
-                    int(layout.offsets[i]),
-                    tuple(int(v) for v in layout.shapes[i]),
-                    int(listing.sizes[i]),
-                    int(listing.mtimes[i]),
+                Job(
+                    record=i,
+                    path=listing.abspath(i),
+                    offset=int(layout.offsets[i]),
+                    shape=tuple(int(v) for v in layout.shapes[i]),
+                    size=int(listing.sizes[i]),
+                    mtime_ns=int(listing.mtimes[i]),
                 )
                 for i in records
             ]

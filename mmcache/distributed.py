@@ -280,18 +280,18 @@ def _decode_share(
 def _pack(results: list[Result]) -> dict[str, Any]:
     """Results as arrays (~12 bytes a record to pickle) plus the rare messages and overflows."""
     return {
-        "index": np.array([r[0] for r in results], np.int64),
-        "state": np.array([r[1] for r in results], np.uint32),
-        "crc32": np.array([r[2] for r in results], np.uint32),
-        "messages": {r[0]: r[3] for r in results if r[3]},
-        "overflow": {r[0]: r[4] for r in results if r[4] is not None},
+        "index": np.array([r.record for r in results], np.int64),
+        "state": np.array([r.state for r in results], np.uint32),
+        "crc32": np.array([r.crc32 for r in results], np.uint32),
+        "messages": {r.record: r.message for r in results if r.message},
+        "overflow": {r.record: r.overflow for r in results if r.overflow is not None},
     }
 
 
 def _unpack(packed: dict[str, Any]) -> list[Result]:
     messages, overflow = packed["messages"], packed["overflow"]
     return [
-        (int(i), int(code), int(crc), messages.get(int(i), ""), overflow.get(int(i)))
+        Result(int(i), int(code), int(crc), messages.get(int(i), ""), overflow.get(int(i)))
         for i, code, crc in zip(packed["index"], packed["state"], packed["crc32"])
     ]
 

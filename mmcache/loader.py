@@ -3,9 +3,10 @@
 A DataLoader worker copies each batch into a fresh shared-memory segment that the main process
 maps, and that segment (its allocation, the page faults writing it, the ``munmap`` that frees
 it) costs far more than the copy of the pixels. ``BatchLoader`` skips all of that: threads of
-the consuming process copy records straight from the memory-mapped cache into a small ring of
-preallocated buffers (numpy and OpenCV release the GIL during large copies and resizes), so a
-batch costs one memory copy, or one resize per image with ``crop``, and no allocation.
+the consuming process (``mmcache._batches``) copy records straight from the memory-mapped cache
+into a small ring of preallocated buffers (numpy and OpenCV release the GIL during large copies
+and resizes), so a batch costs one memory copy, or one resize per image with ``crop``, and no
+allocation.
 
 With ``crop`` (``mmcache.RandomResizedCrop`` or ``CenterCrop``) records of any mix of shapes
 batch together: each thread takes a view of the record's box in the mapping (no copy of the
@@ -27,20 +28,17 @@ by one.
 
 from __future__ import annotations
 
-import os
 import secrets
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 
-from . import pixels as px
+from ._batches import Iteration, Job, Normalize, Ring, Scratch, as_tensor, draw, random_reader
 from ._feedback import count
 from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
@@ -49,19 +47,9 @@ from .errors import MixedShapesError, StateMismatchError
 from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
-from .transforms import DRAWS, resize_into
 
 __all__ = ["BatchLoader"]
 
-# An order with fewer steps forward by at most NEARBY records than this share is read as a
-# random one (see the module docstring); a sequential order (shuffle=False), or a rank's strided
-# share of one (DistributedSampler without shuffling), keeps the kernel's read-ahead.
-SEQUENTIAL_SHARE = 0.5
-NEARBY = 8
-# Uniform numbers for boxes and flips come in blocks of this many positions, each block from
-# its own generator keyed by (seed, epoch, rank, block): any batch is drawn without drawing the
-# epoch before it, whatever the batch size or thread count.
-DRAW_BLOCK = 1024
 STATE_VERSION = 1
 
 
@@ -93,7 +81,7 @@ class BatchLoader:
     Args:
         dataset: an opened cache. Its ``transform`` and ``target_transform`` must be None:
             crop with ``crop``, transform the batches (on the GPU, typically).
-        batch_size: records per batch.
+        batch_size: records per batch. The arguments after it are keyword-only.
         shuffle: a new random order each epoch (see ``seed``, ``set_epoch``).
         sampler: any iterable of record indices (``RandomSampler``, ``DistributedSampler``,
             ``QuasiRandomSampler``...); with a sampler, ``shuffle`` must be False, as in
@@ -150,6 +138,7 @@ class BatchLoader:
         self,
         dataset: MemmapImageDataset,
         batch_size: int,
+        *,
         shuffle: bool = False,
         sampler: Iterable[int] | None = None,
         drop_last: bool = False,
@@ -159,7 +148,6 @@ class BatchLoader:
         prefetch: int = 2,
         seed: int | None = None,
         read: str = "auto",
-        *,
         crop: Any = None,
         flip: bool = False,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
@@ -206,10 +194,10 @@ class BatchLoader:
             pin_memory = False
         self.pin_memory = pin_memory
         channels = _channels(dataset)
-        self.normalize = None if normalize is None else _Normalize(normalize, channels, dtype)
+        self.normalize = None if normalize is None else Normalize(normalize, channels, dtype)
         self.channels_last = channels_last
         self._record_shape = None if crop is not None else _one_shape(dataset)
-        self._ring: _Ring | None = None
+        self._ring: Ring | None = None
         self._live: weakref.ref | None = None
         self._iteration_seed: int | None = None  # the seed of the last or live iteration
         self._start = 0  # batches of the epoch the next iteration skips (a resumed epoch)
@@ -288,27 +276,41 @@ class BatchLoader:
             self.crop.size = tuple(state["size"])
         self._start = self._done = int(state["batches"])
 
-    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    def draw_batch(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """What batch ``batch`` of the current epoch holds: its record indices, each one's crop
         box ``(top, left, height, width)`` (None without ``crop``) and whether it is flipped
-        (None without ``flip``), as the threads compute them. For checking and debugging; it
-        runs the sampler, if any, once more.
+        (None without ``flip``), as the threads draw them. For checking and debugging; it runs
+        the sampler, if any, once more.
 
         The current epoch's seed is the loader's ``seed``, or with None that of its last
         iteration.
+
+        Raises:
+            ValueError: ``seed=None`` and no iteration has drawn a seed yet.
         """
         seed = self.seed if self.seed is not None else self._iteration_seed
         if seed is None:
-            raise ValueError("plan(): seed=None and no iteration has drawn a seed yet")
+            raise ValueError("draw_batch(): seed=None and no iteration has drawn a seed yet")
         first = batch * self.batch_size
         order, ahead = self._order(seed)
         if ahead is not None:
             ahead.close()  # only the order is wanted here
         idx = order[first : first + self.batch_size]
-        shapes = self.dataset.records.shapes[idx]
-        boxes, flips = _draw(self.crop, self.flip, (seed, self.epoch, self._rank()), shapes,
-                             first, _Scratch())  # fmt: skip
+        shapes = self.dataset.reader.records.shapes[idx]
+        boxes, flips = draw(self.crop, self.flip, (seed, self.epoch, self._rank()), shapes,
+                            first, Scratch())  # fmt: skip
         return idx, boxes, flips
+
+    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Deprecated alias of ``draw_batch``, renamed because ``plan_cache`` and ``CachePlan``
+        mean a cache's size plan."""
+        warnings.warn(
+            "BatchLoader.plan() is deprecated and will be removed in the next release: call "
+            "draw_batch(), which returns the same",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.draw_batch(batch)
 
     def _rank(self) -> int:
         """This process's rank, which the draws of boxes and flips depend on, as its sampler's."""
@@ -361,13 +363,13 @@ class BatchLoader:
             return self.read == "mmap"
         return self.dataset.manifest.sizes["data"] <= memory().available
 
-    def _buffers(self) -> _Ring:
+    def _buffers(self) -> Ring:
         """The ring, made on first use and again only when the batches' shape changes."""
         shape = self.shape
         if self._ring is None or self._ring.shape != shape:
             self._ring = None  # the old ring's memory goes before the new one is made
             slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
-            self._ring = _Ring(
+            self._ring = Ring(
                 slots,
                 self.batch_size,
                 shape,
@@ -388,13 +390,44 @@ class BatchLoader:
             seed = self._iteration_seed
         if hasattr(self.crop, "warn_if_upscaling"):  # once per size: a cache built too small?
             advice = _upscale_advice(self.dataset.manifest, self.crop.short_side_needed())
-            self.crop.warn_if_upscaling(self.dataset.records.shapes, advice, stacklevel=2)
+            self.crop.warn_if_upscaling(self.dataset.reader.records.shapes, advice, stacklevel=2)
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
-        it = _Iteration(self, order, ahead, seed, start)
+        it = Iteration(self._job(order, ahead, seed), start, self.num_threads, self._taken)
         self._done = start
         self._live = weakref.ref(it)
         return it
+
+    def _taken(self, batches: int) -> None:
+        self._done = batches
+
+    def _job(self, order: np.ndarray, read_ahead: Any, seed: int) -> Job:
+        """What the filling threads of an iteration over ``order`` read."""
+        reader = self.dataset.reader
+        # A data file cut short already: this iteration reads with pread (see _batches.fill).
+        mapped = len(order) > 0 and self._reads_mapped() and not reader.cut_short()
+        mapping = as_tensor(reader.mapping()) if len(order) else None
+        random_fd = len(order) and not mapped and read_ahead is None
+        return Job(
+            order=order,
+            batch_size=self.batch_size,
+            # CPU: prefetch batches ahead of the one held, so prefetch + 1 slots; CUDA: each
+            # thread reuses its own pinned slot, the ready device batches are bounded instead.
+            ahead=self.prefetch,
+            ring=self._buffers(),
+            device=self.device,
+            normalize=self.normalize,
+            channels_last=self.channels_last,
+            reader=reader,
+            mapping=None if mapping is None else mapping.numpy(),
+            mapping_tensor=mapping,
+            mapped=mapped,
+            read_ahead=read_ahead,
+            fd=random_reader(reader, order) if random_fd else -1,
+            crop=self.crop,
+            flip=self.flip,
+            draws=(seed, self.epoch, self._rank()),
+        )
 
 
 def _upscale_advice(m: Manifest, short_side: int) -> str:
@@ -419,13 +452,13 @@ def _upscale_advice(m: Manifest, short_side: int) -> str:
 
 
 def _channels(dataset: MemmapImageDataset) -> int:
-    shapes = dataset.records.shapes
+    shapes = dataset.reader.records.shapes
     return int(shapes[0, 2]) if len(shapes) else 3
 
 
 def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
     """The (H, W, C) every record shares, or MixedShapesError naming the shapes found."""
-    shapes = dataset.records.shapes
+    shapes = dataset.reader.records.shapes
     if len(shapes) == 0:
         return (0, 0, 0)
     distinct, counts = np.unique(shapes, axis=0, return_counts=True)
@@ -442,496 +475,3 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
             "224) (or CenterResizedCrop), or build the cache with size=(H, W)"
         )
     return tuple(int(v) for v in distinct[0])
-
-
-class _Normalize:
-    """``(x / 255 - mean) / std`` as one subtraction and one division of 0..255 values."""
-
-    def __init__(self, normalize, channels: int, dtype: torch.dtype | None) -> None:
-        mean, std = (np.asarray(v, np.float64).reshape(-1) for v in normalize)
-        if len(mean) != channels or len(std) != channels or (std <= 0).any():
-            raise ValueError(
-                f"normalize must be (mean, std) of {channels} values each, std > 0, got "
-                f"{normalize!r}"
-            )
-        self.dtype = dtype or torch.float32
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"dtype must be a float type, got {self.dtype}")
-        self.mean = torch.tensor(mean * 255, dtype=self.dtype).view(1, -1, 1, 1)
-        self.std = torch.tensor(std * 255, dtype=self.dtype).view(1, -1, 1, 1)
-
-    def into(self, out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
-        """Normalise uint8 N x H x W x C ``images`` into the float N x C x H x W ``out``."""
-        out.copy_(images.permute(0, 3, 1, 2))
-        return out.sub_(self.mean.to(out.device)).div_(self.std.to(out.device))
-
-
-class _Ring:
-    """The batch buffers: uint8 images and labels, and (CPU normalisation) float images.
-
-    Each slot is a tensor of its own, not a view of one ring: autograd checks that a tensor it
-    saved for the backward pass was not written since, by a version count that all views of a
-    tensor share, so refilling one slot must not touch the version of the batch being trained
-    on.
-    """
-
-    def __init__(
-        self,
-        slots: int,
-        batch_size: int,
-        shape: tuple[int, int, int],
-        pin_memory: bool,
-        normalize: _Normalize | None,
-        channels_last: bool,
-    ) -> None:
-        self.shape = shape
-        if pin_memory:
-            self.images = [
-                torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=True)
-                for _ in range(slots)
-            ]
-            self.labels = [
-                torch.empty(batch_size, dtype=torch.int64).pin_memory() for _ in range(slots)
-            ]
-        else:
-            # numpy's allocator asks for transparent huge pages on large arrays: the first
-            # touch of a 50 MB slot faults 25 huge pages instead of 12,000 small ones.
-            self.images = [
-                torch.from_numpy(np.empty((batch_size, *shape), np.uint8)) for _ in range(slots)
-            ]
-            self.labels = [torch.from_numpy(np.empty(batch_size, np.int64)) for _ in range(slots)]
-        self.floats = None
-        if normalize is not None:
-            h, w, c = shape
-            if channels_last:  # N x C x H x W views of N x H x W x C memory
-                self.floats = [
-                    torch.empty((batch_size, h, w, c), dtype=normalize.dtype).permute(0, 3, 1, 2)
-                    for _ in range(slots)
-                ]
-            else:
-                self.floats = [
-                    torch.empty((batch_size, c, h, w), dtype=normalize.dtype) for _ in range(slots)
-                ]
-        self.normalize, self.channels_last = normalize, channels_last
-
-    def output(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``slot``'s first ``n`` images and labels as the loader hands them out (CPU)."""
-        images = self.images[slot][:n]
-        if self.floats is not None:
-            images = self.normalize.into(self.floats[slot][:n], images)
-        elif self.channels_last:
-            images = images.permute(0, 3, 1, 2)
-        return images, self.labels[slot][:n]
-
-
-class _Shared:
-    """What the filling threads and the consumer share (the threads never see the iterator, so
-    dropping the iterator can finalize it and stop them)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.next_batch = 0  # the next batch number a thread will take
-        self.released = 0  # batches before this one are given back by the consumer
-        # batch number -> (images, labels, CUDA event of its copy to the device or None)
-        self.ready: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
-        # (batch number, exception) of the first failure: batches before it are still handed out
-        self.error: tuple[int, BaseException] | None = None
-        self.stop = False
-
-
-class _Iteration:
-    """One pass over a BatchLoader's order: starts the threads, hands out batches in order."""
-
-    def __init__(
-        self, loader: BatchLoader, order: np.ndarray, ahead: Any, seed: int, start: int
-    ) -> None:
-        ds = loader.dataset
-        ring = loader._buffers()
-        # A data file cut short already: this iteration reads with pread (see _fill).
-        mapped = len(order) > 0 and loader._reads_mapped() and not ds.cut_short()
-        self._loader = loader
-        self._shared = shared = _Shared()
-        self._count = -(-len(order) // loader.batch_size)
-        self._taken = min(start, self._count)
-        shared.next_batch = shared.released = self._taken
-        self._closed: str | None = None
-        job = _Job(
-            order=order,
-            batch_size=loader.batch_size,
-            count=self._count,
-            # CPU: prefetch batches ahead of the one held, so prefetch + 1 slots; CUDA: each
-            # thread reuses its own pinned slot, the ready device batches are bounded instead.
-            ahead=loader.prefetch,
-            ring=ring,
-            device=loader.device,
-            normalize=loader.normalize,
-            channels_last=loader.channels_last,
-            dataset=ds,
-            records=ds.records,
-            data=_as_tensor(ds.mapping()) if len(order) else None,
-            mapped=mapped,
-            read_ahead=ahead,
-            fd=-1 if mapped or ahead is not None or not len(order) else _random_reader(ds, order),
-            crop=loader.crop,
-            size=loader.crop.size if loader.crop is not None else None,
-            flip=loader.flip,
-            draws=(seed, loader.epoch, loader._rank()),
-            pixels=ds.manifest.pixels,
-            color=ds.manifest.options.get("color", "rgb"),
-        )
-        self._threads = [
-            threading.Thread(
-                target=_work, args=(job, shared, k), name=f"mmcache-BatchLoader-{k}", daemon=True
-            )
-            for k in range(min(loader.num_threads, max(self._count - self._taken, 1)))
-        ]
-        for t in self._threads:
-            t.start()
-        self._finalizer = weakref.finalize(self, _stop, shared, self._threads, job)
-
-    def __iter__(self) -> _Iteration:
-        return self
-
-    def __len__(self) -> int:
-        return self._count - self._taken
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._closed is not None:
-            raise RuntimeError(self._closed)
-        shared = self._shared
-        if self._taken >= self._count:
-            self.close()
-            raise StopIteration
-        t = self._taken
-        with shared.cond:
-            shared.released = t  # the batch handed out before this one may now be refilled
-            shared.cond.notify_all()
-            while t not in shared.ready and (shared.error is None or shared.error[0] > t):
-                shared.cond.wait()
-            if t not in shared.ready:
-                error = shared.error[1]
-                shared.error = None
-            else:
-                error = None
-                images, labels, copied = shared.ready.pop(t)
-        if error is not None:
-            self.close("BatchLoader: this iteration stopped on an error")
-            raise error
-        self._taken += 1
-        self._loader._done = self._taken
-        if copied is not None:
-            # The current stream is per thread: order the caller's stream after the copy, and
-            # tell the caching allocator that stream uses the tensors, so their memory is not
-            # handed to a later side-stream allocation while the caller's work still reads it.
-            current = torch.cuda.current_stream(images.device)
-            current.wait_event(copied)
-            images.record_stream(current)
-            labels.record_stream(current)
-        return images, labels
-
-    def close(self, reason: str | None = None) -> None:
-        """Stop and join the threads; a later ``next()`` raises ``reason`` if one is given."""
-        self._finalizer()
-        if reason is not None:
-            self._closed = reason
-
-
-class _Job:
-    """The read-only inputs of the filling threads."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-
-def _stop(shared: _Shared, threads: list[threading.Thread], job: _Job) -> None:
-    with shared.cond:
-        shared.stop = True
-        shared.cond.notify_all()
-    me = threading.current_thread()
-    for t in threads:
-        if t is not me:
-            t.join()
-    if job.read_ahead is not None:
-        job.read_ahead.close()
-    if job.fd >= 0:
-        os.close(job.fd)
-        job.fd = -1
-
-
-def _random_reader(ds: MemmapImageDataset, order: np.ndarray) -> int:
-    """A descriptor of the data file advised ``POSIX_FADV_RANDOM`` for a shuffled order's
-    ``pread``s (see the module docstring), or -1: a sequential order, or no such advice here
-    (the dataset's own reads are used then)."""
-    steps = np.diff(order)
-    forward = np.count_nonzero((steps > 0) & (steps <= NEARBY))  # in order, or a small stride
-    if len(steps) == 0 or forward >= SEQUENTIAL_SHARE * len(steps):
-        return -1
-    if not hasattr(os, "posix_fadvise"):
-        return -1
-    try:
-        fd = os.open(ds.data_path, os.O_RDONLY)
-    except OSError:
-        return -1  # a data file replaced since the dataset opened: read through the dataset
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except OSError:
-        os.close(fd)
-        return -1
-    return fd
-
-
-def _work(job: _Job, shared: _Shared, k: int) -> None:
-    """A filling thread: take batch numbers in turn, fill each into its slot, publish it."""
-    cuda = job.device.type == "cuda"
-    u = -1
-    try:
-        stream = torch.cuda.Stream(job.device) if cuda else None
-        scratch = _Scratch()
-        slots = len(job.ring.images)
-        while True:
-            with shared.cond:
-                u = shared.next_batch
-                if u >= job.count or shared.stop or shared.error is not None:
-                    return
-                shared.next_batch += 1
-                # CPU: slot u % slots last held batch u - slots, given back once the consumer
-                # asks for batch u - slots + 1. CUDA: bound the device batches waiting.
-                while u > shared.released + job.ahead and not shared.stop:
-                    shared.cond.wait()
-                if shared.stop:
-                    return
-            slot = k if cuda else u % slots
-            if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
-                first = u * job.batch_size
-                last = min(first + job.batch_size, len(job.order)) - 1
-                for position in (first, last):
-                    job.read_ahead.reached(position)
-                    job.read_ahead.wait(position)
-            n = _fill(job, slot, u, shared, scratch)
-            if n is None:
-                return
-            if cuda:
-                ring = job.ring
-                images, labels, copied = _to_device(job, ring.images[slot][:n],
-                                                    ring.labels[slot][:n], stream)  # fmt: skip
-            else:
-                (images, labels), copied = job.ring.output(slot, n), None
-            with shared.cond:
-                shared.ready[u] = (images, labels, copied)
-                shared.cond.notify_all()
-    except BaseException as e:  # handed to the consumer, which raises it from next()
-        with shared.cond:
-            if shared.error is None or u < shared.error[0]:
-                shared.error = (u, e)
-            shared.cond.notify_all()
-
-
-class _Scratch:
-    """A filling thread's reusable buffers: rows read with pread, the uniform numbers of
-    boxes and flips."""
-
-    def __init__(self) -> None:
-        self.rows = np.empty(0, np.uint8)
-        self.numbers = np.empty(0, np.uint8)
-        self.ycc = np.empty(0, np.uint8)  # I420 crops: the planes resized, then converted
-        self.plane = np.empty(0, np.uint8)
-
-    def take(self, name: str, nbytes: int) -> np.ndarray:
-        buf = getattr(self, name)
-        if buf.size < nbytes:  # grows to the largest record once, then is reused
-            buf = np.empty(nbytes, np.uint8)
-            setattr(self, name, buf)
-        return buf[:nbytes]
-
-
-def _uniforms(draws: tuple[int, int, int], first: int, n: int, scratch: _Scratch) -> np.ndarray:
-    """The ``DRAWS`` uniform numbers of positions ``first .. first + n - 1`` of the epoch,
-    drawn into the thread's scratch buffer."""
-    blocks = range(first // DRAW_BLOCK, (first + n - 1) // DRAW_BLOCK + 1)
-    numbers = scratch.take("numbers", len(blocks) * DRAW_BLOCK * DRAWS * 8).view(np.float64)
-    numbers = numbers.reshape(len(blocks) * DRAW_BLOCK, DRAWS)
-    for k, b in enumerate(blocks):
-        rng = np.random.default_rng([*draws, b])
-        rng.random(out=numbers[k * DRAW_BLOCK : (k + 1) * DRAW_BLOCK])
-    start = first - blocks[0] * DRAW_BLOCK
-    return numbers[start : start + n]
-
-
-def _fill(job: _Job, slot: int, u: int, shared: _Shared, scratch: _Scratch) -> int | None:
-    """Fill ring slot ``slot`` with batch ``u``; its count, or None if told to stop."""
-    first = u * job.batch_size
-    idx = job.order[first : first + job.batch_size]
-    n = len(idx)
-    ds, records, data = job.dataset, job.records, job.data
-    # A data file cut short since it was mapped would kill the process with SIGBUS at the
-    # first page past its end: checked before each batch (one fstat), and a batch that finds it
-    # cut short is read with pread, which raises the dataset's CacheFormatError for the records
-    # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
-    mapped = job.mapped and not ds.cut_short()
-    ring_images = job.ring.images[slot]
-    images = ring_images.numpy()
-    np.take(records.labels, idx, out=job.ring.labels[slot][:n].numpy())
-    filled = ds.filled(idx)
-    offsets = records.offsets[idx].tolist()
-    shapes = records.shapes[idx]
-    boxes, flips = _draw(job.crop, job.flip, job.draws, shapes, first, scratch)
-    if boxes is not None:
-        boxes = boxes.tolist()
-    else:
-        flat = images.reshape(images.shape[0], -1)
-        nbytes = flat.shape[1]
-        data = None if data is None else data.numpy()
-    # One slice copy (or one resize) per record, each releasing the GIL (np.take over a
-    # strided 2-D view of the mapping was slower for records of a megabyte).
-    for j, off in enumerate(offsets):
-        if shared.stop:
-            return None
-        r = int(idx[j])
-        if job.pixels != "rgb":
-            box = None if boxes is None else boxes[j]
-            _fill_planar(job, mapped, r, off, shapes[j], box, images[j], filled[j], scratch)
-        elif boxes is None:
-            if not filled[j]:  # the dataset's own read raises its error (or, lazily, fills it)
-                flat[j] = ds.read(r).reshape(-1)
-            elif mapped:
-                flat[j] = data[off : off + nbytes]
-            else:
-                _pread(job, r, off, flat[j])
-        else:
-            top, left, bh, bw = boxes[j]
-            src = _box_rows(job, mapped, r, off, shapes[j], top, bh, filled[j], scratch)
-            resize_into(src[:, left : left + bw], ring_images[j], *job.crop.kernel)
-        if flips is not None and flips[j]:
-            cv2.flip(images[j], 1, dst=images[j])
-    return n
-
-
-def _fill_planar(
-    job: _Job,
-    mapped: bool,
-    r: int,
-    off: int,
-    shape: np.ndarray,
-    box: list[int] | None,
-    out: np.ndarray,
-    filled: bool,
-    scratch: _Scratch,
-) -> None:
-    """Convert I420 record ``r`` into ``out``, whole, or its ``box`` resized plane by plane
-    to the output size first (so only the output's pixels are converted). Unless ``mapped``
-    (see ``_fill``), a box's rows of each plane are read with ``pread``, not the record."""
-    rows_from = (0, 0)
-    if not filled:  # the dataset's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.dataset.planes(r)
-    elif box is not None and not mapped:
-        h, w = int(shape[0]), int(shape[1])
-        ch, cw = px.chroma_shape(h, w)
-        ct, _, cbh, _ = px.chroma_box(box)
-        top, bh = box[0], box[2]
-        buf = scratch.take("rows", bh * w + 2 * cbh * cw)
-        y = buf[: bh * w]
-        cb = buf[bh * w : bh * w + cbh * cw]
-        cr = buf[bh * w + cbh * cw :]
-        for part, plane_start, row, width in zip(
-            (y, cb, cr), px.plane_offsets(h, w), (top, ct, ct), (w, cw, cw)
-        ):
-            _pread(job, r, off, part, plane_start + row * width)
-        y, cb, cr = y.reshape(bh, w), cb.reshape(cbh, cw), cr.reshape(cbh, cw)
-        rows_from = (top, ct)
-    else:
-        n = int(px.record_nbytes(*(int(v) for v in shape), job.pixels))
-        if mapped:
-            flat = job.data[off : off + n].numpy()
-        else:
-            flat = scratch.take("rows", n)
-            _pread(job, r, off, flat)
-        y, cb, cr = px.planes(px.stored_view(flat, shape, job.pixels))
-    if box is None:
-        px.convert(y, cb, cr, job.color, out)
-        return
-    kernel = job.crop.kernel
-
-    def resize(src: np.ndarray, dst: np.ndarray) -> None:
-        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
-
-    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.color, rows_from)
-
-
-def _draw(
-    crop: Any,
-    flip: bool,
-    draws: tuple[int, int, int],
-    shapes: np.ndarray,
-    first: int,
-    scratch: _Scratch,
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The crop boxes and flips of the records of ``shapes`` at positions ``first ...`` of an
-    epoch (None for what is not asked)."""
-    if crop is None and not flip:
-        return None, None
-    numbers = _uniforms(draws, first, len(shapes), scratch)
-    flips = (numbers[:, -1] < 0.5) if flip else None
-    boxes = crop.boxes(shapes, numbers[:, : crop.draws]) if crop is not None else None
-    return boxes, flips
-
-
-def _box_rows(
-    job: _Job,
-    mapped: bool,
-    r: int,
-    off: int,
-    shape: np.ndarray,
-    top: int,
-    rows: int,
-    filled: bool,
-    scratch: _Scratch,
-) -> torch.Tensor:
-    """Rows ``top .. top + rows - 1`` of record ``r`` as an H x W x C tensor: a view of the
-    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
-    buffer."""
-    h, w, c = (int(v) for v in shape)
-    if not filled:
-        return torch.from_numpy(job.dataset.read(r))[top : top + rows]
-    if mapped:
-        return job.data[off : off + h * w * c].view(h, w, c)[top : top + rows]
-    buf = scratch.take("rows", rows * w * c)
-    _pread(job, r, off, buf, top * w * c)
-    return torch.from_numpy(buf).view(rows, w, c)
-
-
-def _pread(job: _Job, r: int, off: int, out: np.ndarray, start: int = 0) -> None:
-    """Read ``out.nbytes`` of record ``r`` (at ``off``) from byte ``start`` of it on: through the
-    iteration's own descriptor when it has one, else (or on a short read, so that the error
-    is the dataset's) through the dataset."""
-    if job.fd < 0 or os.preadv(job.fd, [out], off + start) != out.nbytes:
-        job.dataset.read_into(r, out, start)
-
-
-def _as_tensor(mapping: np.ndarray) -> torch.Tensor:
-    """The read-only mapping of the data file as a flat uint8 tensor (no copy). torch warns
-    that it cannot mark the tensor read-only; nothing writes through it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(mapping)
-
-
-def _to_device(
-    job: _Job, images: torch.Tensor, labels: torch.Tensor, stream: Any
-) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
-    the copy: the slot refills next."""
-    with torch.cuda.stream(stream):
-        d_images = images.to(job.device, non_blocking=True)
-        d_labels = labels.to(job.device, non_blocking=True)
-        if job.normalize is not None:
-            floats = d_images.permute(0, 3, 1, 2).to(job.normalize.dtype)  # channels_last
-            floats.sub_(job.normalize.mean.to(job.device)).div_(job.normalize.std.to(job.device))
-            d_images = floats if job.channels_last else floats.contiguous()
-        elif job.channels_last:
-            d_images = d_images.permute(0, 3, 1, 2)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    # The copy of a batch takes a few milliseconds at PCIe speed, less than filling the next
-    # batch; waiting here lets this thread's one pinned slot be refilled without a second ring.
-    copied.synchronize()
-    return d_images, d_labels, copied

@@ -132,24 +132,42 @@ class QuasiRandomSampler(Sampler[int]):
         self.block_size, self.buffer_blocks = block_size, buffer_blocks
         self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
         self.seed, self.epoch, self.start = seed, 0, 0
+        # Where this epoch's order is: the position of the next index iterating yields (a
+        # taken epoch stays at its first position: its taker tracks it, as BatchLoader does).
+        self._position = 0
         self.prefetch = prefetch
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` (call before each epoch; every rank with the same one)."""
         self.epoch = epoch
-        self.start = 0
+        self.start = self._position = 0
 
-    def state_dict(self, consumed: int = 0) -> dict[str, Any]:
-        """Where training is in this epoch, as plain JSON-serialisable data: the epoch, the
-        seed, and ``consumed``, the samples of this epoch's order training has taken (a
-        DataLoader reads ahead of training, so only the caller knows it: batches done times
-        the batch size). ``load_state_dict`` makes a new sampler go on from there. The dataset
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where this sampler is in its epoch, as plain JSON-serialisable data: the epoch, the
+        seed, and the position in this epoch's order of the next index it yields.
+        ``load_state_dict`` makes a new sampler go on from there. The dataset
         (``dataset_identity``) and the order's other settings are recorded to be checked.
+
+        The position counts the indices handed out: a DataLoader with workers takes indices
+        for the batches it prefetches, so save its state with a loader that snapshots its
+        sampler per batch (torchdata's ``StatefulDataLoader``), or with ``num_workers=0``.
+        ``BatchLoader`` records its own position beside this state.
+
+        Args:
+            consumed: deprecated (it warns): the samples of this epoch training has taken,
+                recorded instead of the sampler's own position.
         """
+        if consumed is not None:
+            warnings.warn(
+                "QuasiRandomSampler.state_dict(consumed=...) is deprecated and will be removed "
+                "in the next release: state_dict() records the position the sampler reached",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return {
             "epoch": self.epoch,
             "seed": self.seed,
-            "start": int(consumed),
+            "start": int(consumed) if consumed is not None else self._position,
             "dataset": dataset_identity(self.data_source),
             "order": order_identity(self),
         }
@@ -165,7 +183,7 @@ class QuasiRandomSampler(Sampler[int]):
         """
         check_resume("QuasiRandomSampler", state, self._identity())
         self.set_epoch(int(state["epoch"]))
-        self.start = int(state["start"])
+        self.start = self._position = int(state["start"])
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -218,6 +236,7 @@ class QuasiRandomSampler(Sampler[int]):
         """
         order, starts = self._epoch()
         skip, self.start = self.start, 0
+        self._position = skip
         if skip:  # a resumed epoch: from position ``skip`` of its order
             order, starts = order[skip:], np.unique(np.maximum(starts - skip, 0))
         if not (self.prefetch and self._layout is not None and len(order)):
@@ -227,14 +246,20 @@ class QuasiRandomSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order, ahead = self.take_epoch()
         if ahead is None:
-            yield from order.tolist()
+            yield from self._counted(order.tolist())
             return
         with ahead:
             bounds = [*ahead.starts, len(order)]
             for a, z in zip(bounds[:-1], bounds[1:]):
                 ahead.reached(a)
                 ahead.wait(a)
-                yield from order[a:z].tolist()
+                yield from self._counted(order[a:z].tolist())
+
+    def _counted(self, indices: list[int]) -> Iterator[int]:
+        """``indices``, each counted into the position ``state_dict`` records as it is yielded."""
+        for index in indices:
+            self._position += 1
+            yield index
 
 
 def dataset_identity(data_source: Sized) -> dict[str, Any]:
@@ -331,8 +356,8 @@ def _layout(data_source: Sized) -> tuple[str, np.ndarray, np.ndarray] | None:
     """(data file, record offsets, record byte sizes) of a MemmapImageDataset, else None."""
     if not isinstance(data_source, MemmapImageDataset):
         return None
-    records = data_source.records
-    return str(data_source.data_path), records.offsets, records.nbytes
+    reader = data_source.reader
+    return str(reader.data_path), reader.records.offsets, reader.records.nbytes
 
 
 def _default_block_size(n: int, layout: tuple[str, np.ndarray, np.ndarray] | None) -> int:

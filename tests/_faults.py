@@ -254,5 +254,5 @@ def cache_file(cache: Path, kind: str) -> Path:
 def open_and_read_all(cache: Path) -> list[np.ndarray]:
     """What a training job does, with every check on; returns the images."""
     ds = MemmapImageDataset(cache, on_stale="ignore", verify="first-read")
-    stale_reason(ds._files)  # reads the manifest's source and skip entries
+    stale_reason(ds.reader.files)  # reads the manifest's source and skip entries
     return [ds[i][0] for i in range(len(ds))]

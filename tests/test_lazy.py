@@ -421,7 +421,8 @@ def test_a_header_that_disagrees_with_the_decoded_size_is_marked_bad(src, tmp_pa
     monkeypatch.setattr(mmcache._layout, "probe_size", lying)
     cache = tmp_path / "cache"
     ds = MemmapImageDataset(cache, source=src)
-    assert tuple(ds.records.shapes[4]) == (40, 30, 3)  # the header's claim; the image is 30 x 40
+    # the header's claim; the image is 30 x 40
+    assert tuple(ds.reader.records.shapes[4]) == (40, 30, 3)
     with pytest.raises(DecodeError, match="header disagrees"):
         ds[4]
     assert _codes(cache)[4] == fmt.BAD_HEADER_MISMATCH
@@ -470,8 +471,8 @@ def test_a_data_file_truncated_after_filling_is_an_error_at_the_read_not_a_crash
         "ds = MemmapImageDataset(sys.argv[1], source=sys.argv[2])\n"
         "for i in range(len(ds)):\n"
         "    ds[i]\n"
-        "print('filled:', ds.filled(list(range(len(ds)))).all())\n"
-        "os.truncate(ds.data_path, 0)\n"
+        "print('filled:', ds.reader.filled(list(range(len(ds)))).all())\n"
+        "os.truncate(ds.reader.data_path, 0)\n"
         "try:\n"
         "    ds[len(ds) - 1]\n"
         "except CacheFormatError as e:\n"

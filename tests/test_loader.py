@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -251,10 +252,18 @@ def test_an_unexpected_error_in_a_thread_reaches_the_consumer(ds, loader_threads
         iter(loader)
 
     ds2 = MemmapImageDataset(ds.cache)
-    ds2._offsets = None  # breaks the copy inside the threads, not the construction
+    broken = BatchLoader(ds2, 4)
+    # breaks the copy inside the threads, not the construction
+    ds2.reader.records = dataclasses.replace(ds2.reader.records, offsets=None)
     with pytest.raises(TypeError):
-        list(BatchLoader(ds2, 4))
+        list(broken)
     assert loader_threads() == []
+
+
+def test_arguments_after_batch_size_are_keyword_only(ds):
+    with pytest.raises(TypeError, match="positional"):
+        BatchLoader(ds, 4, True)  # shuffle? sampler? a reader cannot tell
+    assert BatchLoader(ds, 4, shuffle=True).shuffle
 
 
 def test_a_cache_of_several_shapes_is_refused(small_folder, tmp_path):
@@ -302,7 +311,7 @@ def test_a_shuffled_order_is_read_without_the_kernel_s_read_ahead(ds, monkeypatc
     monkeypatch.undo()
     assert sorted(seen) == list(range(N))  # the right pixels, read either way
     random_reads = [path for path, advice in advised if advice == os.POSIX_FADV_RANDOM]
-    assert random_reads == ([str(ds.data_path)] if shuffle else [])
+    assert random_reads == ([str(ds.reader.data_path)] if shuffle else [])
 
 
 def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_path):
@@ -335,7 +344,7 @@ for case in ("during", "new iteration"):
         while 1 not in it._shared.ready:
             assert time.monotonic() < deadline, "batch 1 was never prefetched"
             time.sleep(0.01)
-        os.truncate(ds.data_path, 0)
+        os.truncate(ds.reader.data_path, 0)
         if case == "new iteration":
             it = iter(loader)
         done = 0
@@ -343,7 +352,7 @@ for case in ("during", "new iteration"):
             for _ in it:
                 done += 1
         except CacheFormatError as e:
-            assert str(ds.data_path) in str(e) and "cut short" in str(e), e
+            assert str(ds.reader.data_path) in str(e) and "cut short" in str(e), e
         else:
             raise AssertionError(f"{case}, crop {crop}: no error")
         assert done <= 1, (case, crop, done)  # at most the batch filled before the truncation

@@ -253,18 +253,18 @@ def test_a_cache_larger_than_ram_reads_a_record_s_pages_and_no_others(cache, mon
     a sample must bring in its own pages only."""
     from conftest import reference
 
-    from mmcache import dataset as dataset_module
+    from mmcache import _records as records_module
 
     ds = MemmapImageDataset(cache)
     small = res.Memory(total=64 * MiB, available=MiB // 2)  # less than the 0.9 MiB cache
-    monkeypatch.setattr(dataset_module, "memory", lambda: small)
+    monkeypatch.setattr(records_module, "memory", lambda: small)
     _evicted(cache)
     data = ds.manifest.file("data")
     i = len(ds) // 2
     img, _ = ds[i]
     path = ds.samples[i][0]
     assert (img == reference(path)).all()  # every page of the record is read
-    off, n = int(ds.records.offsets[i]), int(ds.records.nbytes[i])
+    off, n = int(ds.reader.records.offsets[i]), int(ds.reader.records.nbytes[i])
     first, last = off // 4096, (off + n - 1) // 4096
     assert res.resident_bytes(data) <= (last - first + 1) * 4096
     assert res.resident_bytes(data, first * 4096, (last + 1) * 4096) == (last - first + 1) * 4096

@@ -12,6 +12,30 @@ from mmcache import MemmapImageDataset, QuasiRandomSampler, build_cache
 from mmcache import sampler as sampler_mod
 
 
+def test_state_dict_records_the_position_the_sampler_reached():
+    whole = _order(50, seed=3, block_size=4)
+    s = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    s.set_epoch(0)
+    it = iter(s)
+    taken = [next(it) for _ in range(13)]
+    state = s.state_dict()  # no argument, as torch's state_dict()
+    assert state["start"] == 13 and taken == whole[:13]
+    resumed = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["start"] == 13  # loaded, not yet iterated
+    assert list(resumed) == whole[13:]
+    assert resumed.state_dict()["start"] == 50  # the epoch is done
+    resumed.set_epoch(1)
+    assert resumed.state_dict()["start"] == 0
+
+
+def test_state_dict_consumed_is_deprecated_and_still_recorded():
+    s = QuasiRandomSampler(range(50), seed=3, block_size=4)
+    with pytest.warns(DeprecationWarning, match=r"state_dict\(consumed=\.\.\.\) is deprecated"):
+        state = s.state_dict(consumed=20)
+    assert state["start"] == 20
+
+
 def _order(n: int, **kw) -> list[int]:
     return list(QuasiRandomSampler(range(n), **kw))
 
@@ -202,7 +226,7 @@ def _spy_reads(monkeypatch, data_path):
 
 def _records_touched(seen, kind, ds) -> set[int]:
     """Records that the ``kind`` requests in ``seen`` cover whole."""
-    offsets, sizes = ds.records.offsets, ds.records.nbytes
+    offsets, sizes = ds.reader.records.offsets, ds.reader.records.nbytes
     touched = set()
     for what, offset, length in list(seen):
         if what == kind:
@@ -231,7 +255,7 @@ def test_read_ahead_follows_the_batch_loader_not_the_whole_epoch(blocks_cache, m
     ds = blocks_cache
     s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
     buffers = _buffers(s)
-    seen = _spy_reads(monkeypatch, ds.data_path)
+    seen = _spy_reads(monkeypatch, ds.reader.data_path)
     # read="mmap": the loader's own copies make no request, so every request is read-ahead.
     # One thread, one batch ahead: the first batch fills, the threads stay in buffer 0.
     loader = BatchLoader(ds, 2, sampler=s, num_threads=1, prefetch=1, read="mmap")
@@ -263,7 +287,8 @@ def test_a_consumer_waits_for_its_buffer_to_be_read(blocks_cache, monkeypatch):
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", slow_preadv)
-    ahead = ReadAhead(str(ds.data_path), ds.records.offsets, ds.records.nbytes, order, starts)
+    records = ds.reader.records
+    ahead = ReadAhead(str(ds.reader.data_path), records.offsets, records.nbytes, order, starts)
     waited = threading.Event()
 
     def consumer():
@@ -296,7 +321,7 @@ def test_consumed_buffers_are_dropped_only_when_the_cache_does_not_fit(
     monkeypatch.setattr(sampler_mod, "memory", lambda: Memory(2 * available, available))
     s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
     buffers = _buffers(s)
-    seen = _spy_reads(monkeypatch, ds.data_path)
+    seen = _spy_reads(monkeypatch, ds.reader.data_path)
     it = iter(s)
     order = [next(it) for _ in range(len(s))]  # the whole epoch, the iteration still open
     assert sorted(order) == list(range(64))
@@ -320,7 +345,7 @@ def test_read_ahead_reads_only_the_current_buffer_when_two_do_not_fit(blocks_cac
     monkeypatch.setattr(sampler_mod, "memory", lambda: Memory(10 * available, available))
     s = QuasiRandomSampler(ds, block_size=4, buffer_blocks=2, seed=3)
     buffers = _buffers(s)
-    seen = _spy_reads(monkeypatch, ds.data_path)
+    seen = _spy_reads(monkeypatch, ds.reader.data_path)
     it = iter(s)
     next(it)
     wait_until(lambda: buffers[0] <= _records_touched(seen, "read", ds), "buffer 0 read")

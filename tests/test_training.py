@@ -52,7 +52,7 @@ def epoch(loader):
 
 def expected_batch(ds, loader, k):
     """Batch k as resized_crop and a flip of each record make it, from the loader's plan."""
-    idx, boxes, flips = loader.plan(k)
+    idx, boxes, flips = loader.draw_batch(k)
     images = []
     for j, i in enumerate(idx):
         interpolation, antialias = loader.crop.kernel
@@ -60,7 +60,7 @@ def expected_batch(ds, loader, k):
             ds.read(int(i)), boxes[j], loader.crop.size, interpolation, antialias=antialias
         )
         images.append(img[:, ::-1] if flips is not None and flips[j] else img)
-    return np.stack(images), ds.records.labels[idx]
+    return np.stack(images), ds.reader.records.labels[idx]
 
 
 def test_a_mixed_size_cache_is_covered_once_per_epoch_with_its_labels(ds):
@@ -68,8 +68,8 @@ def test_a_mixed_size_cache_is_covered_once_per_epoch_with_its_labels(ds):
     seen = []
     for k, (images, labels) in enumerate(loader):
         assert images.shape[1:] == (32, 32, 3) and images.dtype == torch.uint8
-        idx = loader.plan(k)[0]
-        assert labels.tolist() == ds.records.labels[idx].tolist()
+        idx = loader.draw_batch(k)[0]
+        assert labels.tolist() == ds.reader.records.labels[idx].tolist()
         seen += idx.tolist()
     assert sorted(seen) == list(range(len(ds)))  # every record once, of every shape
 
@@ -81,7 +81,7 @@ def test_each_image_is_its_box_resized_and_flipped_as_planned(ds):
         want_images, want_labels = expected_batch(ds, loader, k)
         assert np.array_equal(images.numpy(), want_images)
         assert np.array_equal(labels.numpy(), want_labels)
-        flipped += int(loader.plan(k)[2].sum())
+        flipped += int(loader.draw_batch(k)[2].sum())
     assert 0 < flipped < len(ds)  # flips happen, about half the time
 
 
@@ -91,6 +91,14 @@ def test_the_batch_path_resizes_with_the_crop_s_interpolation(ds, interpolation,
     loader = BatchLoader(ds, 8, crop=crop)
     for k, (images, _) in enumerate(loader):
         assert np.array_equal(images.numpy(), expected_batch(ds, loader, k)[0])
+
+
+def test_plan_is_a_deprecated_alias_of_draw_batch(ds):
+    loader = BatchLoader(ds, 8, shuffle=True, seed=1, crop=RandomResizedCrop(40), flip=True)
+    with pytest.warns(DeprecationWarning, match=r"plan\(\) is deprecated.*draw_batch"):
+        idx, boxes, flips = loader.plan(2)
+    want = loader.draw_batch(2)
+    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want))
 
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
@@ -106,7 +114,8 @@ def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     img = RandomResizedCrop(40)(ds.read(3))
     torch.manual_seed(0)
     box = RandomResizedCrop(40).boxes(
-        ds.records.shapes[3:4], torch.rand(1, RandomResizedCrop.draws, dtype=torch.float64).numpy()
+        ds.reader.records.shapes[3:4],
+        torch.rand(1, RandomResizedCrop.draws, dtype=torch.float64).numpy(),
     )[0]
     assert np.array_equal(img, resized_crop(ds.read(3), box, (40, 40)))
 
@@ -204,7 +213,7 @@ def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a
 
 
 def test_a_quasi_random_sampler_refuses_another_run_s_state(ds):
-    state = json.loads(json.dumps(QuasiRandomSampler(ds, seed=1, block_size=4).state_dict(8)))
+    state = json.loads(json.dumps(QuasiRandomSampler(ds, seed=1, block_size=4).state_dict()))
     with pytest.raises(StateMismatchError, match=r"another seed \(1\) than this run's \(2\)"):
         QuasiRandomSampler(ds, seed=2, block_size=4).load_state_dict(state)
     with pytest.raises(StateMismatchError, match=r"another order .*block_size=4.*block_size=8"):
@@ -222,11 +231,14 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
 
     cropped = MemmapImageDataset(cache, transform=CenterResizedCrop(32))
     whole = list(DataLoader(cropped, batch_size=4, sampler=sampler()))
-    loader = DataLoader(cropped, batch_size=4, sampler=sampler(), num_workers=2)
+    # Without workers, the DataLoader takes from its sampler just the indices of its batches:
+    # the sampler's own position is where training is.
+    loader = DataLoader(cropped, batch_size=4, sampler=sampler())
     it = iter(loader)
     for _ in range(5):
         next(it)
-    state = json.loads(json.dumps(loader.sampler.state_dict(consumed=5 * 4)))
+    state = json.loads(json.dumps(loader.sampler.state_dict()))
+    assert state["start"] == 5 * 4
     del it
     resumed_sampler = QuasiRandomSampler(ds, seed=5, block_size=4, prefetch=False)
     resumed_sampler.load_state_dict(state)
@@ -317,6 +329,24 @@ def test_normalised_batches_on_the_cpu(ds):
             want = want / torch.tensor(std).view(1, 3, 1, 1)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             assert torch.allclose(x.double(), want, atol=tolerance)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_device_batches_are_normalised_as_the_cpu_ring_s(channels_last):
+    """A CUDA batch is normalised into a new tensor, a CPU one into the ring's buffer: the same
+    numbers and memory format either way (checked on the CPU, which runs the same code)."""
+    from mmcache._batches import Normalize, output
+
+    norm = Normalize(((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 3, torch.float32)
+    images = torch.randint(0, 256, (4, 6, 5, 3), dtype=torch.uint8)
+    buffer = torch.empty((4, 6, 5, 3)).permute(0, 3, 1, 2) if channels_last else None
+    buffer = torch.empty((4, 3, 6, 5)) if buffer is None else buffer
+    into_ring = output(images, norm, channels_last, buffer)
+    new = output(images, norm, channels_last)
+    assert into_ring.data_ptr() == buffer.data_ptr() and torch.equal(new, into_ring)
+    for x in (new, into_ring):
+        assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert x.is_contiguous() != channels_last
 
 
 def test_without_crop_mixed_shapes_are_refused_with_the_way_out(ds):

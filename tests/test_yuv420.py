@@ -74,7 +74,7 @@ def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
         assert c == 3
         y, cb, cr = ds.planes(i)
         assert y.shape == (h, w) and cb.shape == cr.shape == ((h + 1) // 2, (w + 1) // 2)
-        assert int(ds.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
+        assert int(ds.reader.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
         for got, want in zip((y, cb, cr), _i420(path)):
             # OpenCV's fixed-point arithmetic rounds within a level of the float rule
             assert np.abs(got.astype(int) - want).max() <= 1, path
@@ -263,7 +263,7 @@ def test_without_crop_whole_records_convert_into_the_batch(yuv, tmp_path):
         images = torch.cat([b for b, _ in BatchLoader(ds, 4, read=read, num_threads=2)])
         assert torch.equal(images, torch.from_numpy(np.stack(_images(tmp_path / "same-yuv"))))
     flipped = next(iter(BatchLoader(ds, 9, flip=True, seed=1)))[0]
-    _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).plan(0)
+    _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).draw_batch(0)
     want = [img[:, ::-1] if f else img for img, f in zip(_images(tmp_path / "same-yuv"), flips)]
     assert torch.equal(flipped, torch.from_numpy(np.stack(want)))
 
@@ -278,7 +278,7 @@ def test_the_crop_path_is_within_tolerance_of_cropping_the_converted_record(phot
     loader = BatchLoader(photos, 5, shuffle=True, seed=4, crop=crop, flip=True, read=read)
     worst = []
     for k, (images, _) in enumerate(loader):
-        idx, boxes, flips = loader.plan(k)
+        idx, boxes, flips = loader.draw_batch(k)
         for j, i in enumerate(idx):
             want = resized_crop(photos.read(int(i)), boxes[j], crop.size, crop.interpolation)
             want = want[:, ::-1] if flips[j] else want

@@ -165,7 +165,7 @@ def measure(args: argparse.Namespace) -> None:
         print(json.dumps({"overhead": peak}), flush=True)
         return
     # The cache's bytes in RAM as each epoch starts: what the epoch can find there.
-    ds_data = None if row == "decode" else ds.data_path
+    ds_data = None if row == "decode" else ds.reader.data_path
     epochs = []
     for epoch in range(args.epochs):
         if hasattr(loader, "set_epoch"):
@@ -621,7 +621,7 @@ def _buffer_blocks(cache: Path, allowance: int, args: argparse.Namespace) -> int
 
     ds = MemmapImageDataset(cache, on_stale="ignore")
     s = QuasiRandomSampler(ds, args.block_size)
-    block_bytes = s.block_size * float(ds.records.nbytes.mean())
+    block_bytes = s.block_size * float(ds.reader.records.nbytes.mean())
     fit = int(0.2 * allowance / 2 / block_bytes)
     return max(1, min(s.buffer_blocks, fit))
 

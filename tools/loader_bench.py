@@ -68,11 +68,11 @@ def _time_epochs(
 
 def copy_loop(ds: MemmapImageDataset, batch_size: int, order_of: Callable[[int], np.ndarray]):
     """The memory-copy limit: a reused buffer filled record by record, as BatchLoader does."""
-    data = ds.mapping()
-    nbytes = int(ds.records.nbytes[0])
+    data = ds.reader.mapping()
+    nbytes = int(ds.reader.records.nbytes[0])
     buf = np.empty((batch_size, nbytes), np.uint8)
     labels = np.empty(batch_size, np.int64)
-    offsets = ds.records.offsets
+    offsets = ds.reader.records.offsets
 
     def epoch(e: int):
         order = order_of(e)
@@ -80,7 +80,7 @@ def copy_loop(ds: MemmapImageDataset, batch_size: int, order_of: Callable[[int],
             idx = order[start : start + batch_size]
             for j, off in enumerate(offsets[idx].tolist()):
                 buf[j] = data[off : off + nbytes]
-            np.take(ds.records.labels, idx, out=labels[: len(idx)])
+            np.take(ds.reader.records.labels, idx, out=labels[: len(idx)])
             yield buf[: len(idx)], labels[: len(idx)]
 
     return epoch

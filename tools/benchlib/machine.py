@@ -101,7 +101,7 @@ class WriteRate:
 
 def write_new_file(path: Path, nbytes: int, record: np.ndarray) -> float:
     """Seconds to write ``nbytes`` of ``record`` repeated into the new file ``path``, flushed."""
-    from mmcache._workers import start_writeback
+    from mmcache._workers import Job, start_writeback
 
     n = record.nbytes
     count = max(1, nbytes // n)
@@ -113,9 +113,8 @@ def write_new_file(path: Path, nbytes: int, record: np.ndarray) -> float:
             last = min(count, k + WRITE_CHUNK)
             for j in range(k, last):
                 os.pwrite(fd, record, j * n)
-            # The build's jobs are (record, path, offset, shape, size, mtime): only the offset
-            # and shape matter to start_writeback.
-            jobs = [(j, "", j * n, (1, n, 1), 0, 0) for j in range(k, last)]
+            # Only a job's offset and shape matter to start_writeback.
+            jobs = [Job(j, "", j * n, (1, n, 1), 0, 0) for j in range(k, last)]
             start_writeback(fd, jobs)
         os.fsync(fd)
         return time.perf_counter() - start

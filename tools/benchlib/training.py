@@ -134,7 +134,8 @@ class TrainingRun:
         self.crop = mmcache.RandomResizedCrop(settings.size)
         self.per_sample = mmcache.Compose([self.crop, mmcache.RandomHorizontalFlip()])
         self.threads = max(1, settings.workers)  # the thread rows' counterpart of the workers
-        stored = "x".join(str(v) for v in self.ds.records.shapes[0][1::-1]) + " (first record)"
+        first_shape = self.ds.reader.records.shapes[0]
+        stored = "x".join(str(v) for v in first_shape[1::-1]) + " (first record)"
         s = settings
         self.report = TrainingReport(settings={
             "images": len(self.ds), "short_side": s.short_side, "size": s.size,
@@ -228,10 +229,10 @@ def crop_thread_loop(
     the ``pool``'s threads."""
     from mmcache.transforms import resize_into
 
-    records = ds.records
+    records = ds.reader.records
     with warnings.catch_warnings():  # torch cannot mark the read-only mapping read-only
         warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(ds.mapping())
+        data = torch.from_numpy(ds.reader.mapping())
     h, w = crop.size
     batch = torch.empty((batch_size, h, w, records.shapes[0][2]), dtype=torch.uint8)
     rng = np.random.default_rng(seed)

@@ -1,0 +1,621 @@
+"""``BatchLoader``'s machinery: the ring of batch buffers and the threads that fill it.
+
+An ``Iteration`` starts the filling threads over a ``Job`` (everything they read, fixed for the
+iteration) and hands out the batches in order. Threads and consumer share a ``Shared`` under
+one condition: a thread takes the next batch number, waits for the slot to be given back,
+copies (or crops and resizes) each record into the slot, and publishes a ``Batch``. An error
+raised in a thread is kept with the number of the batch it was filling and raised from the
+``next()`` that would have returned that batch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import cv2
+import numpy as np
+import torch
+
+from . import pixels as px
+from ._records import RecordReader
+from .transforms import DRAWS, resize_into
+
+# An order with fewer steps forward by at most NEARBY records than this share is read as a
+# random one (see ``random_reader``); a sequential order (shuffle=False), or a rank's strided
+# share of one (DistributedSampler without shuffling), keeps the kernel's read-ahead.
+SEQUENTIAL_SHARE = 0.5
+NEARBY = 8
+# Uniform numbers for boxes and flips come in blocks of this many positions, each block from
+# its own generator keyed by (seed, epoch, rank, block): any batch is drawn without drawing the
+# epoch before it, whatever the batch size or thread count.
+DRAW_BLOCK = 1024
+
+
+class Normalize:
+    """``(x / 255 - mean) / std`` of uint8 N x H x W x C images into floats N x C x H x W, as
+    one subtraction and one division of 0..255 values: the one normalisation of CPU and CUDA
+    batches.
+
+    Args:
+        normalize: ``(mean, std)``, ``channels`` values each on the 0..1 scale, std > 0.
+        channels: the images' channel count.
+        dtype: the float type of the result (default ``torch.float32``).
+    """
+
+    def __init__(
+        self,
+        normalize: tuple[Sequence[float], Sequence[float]],
+        channels: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        mean, std = (np.asarray(v, np.float64).reshape(-1) for v in normalize)
+        if len(mean) != channels or len(std) != channels or (std <= 0).any():
+            raise ValueError(
+                f"normalize must be (mean, std) of {channels} values each, std > 0, got "
+                f"{normalize!r}"
+            )
+        self.dtype = dtype or torch.float32
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a float type, got {self.dtype}")
+        self.mean = torch.tensor(mean * 255, dtype=self.dtype).view(1, -1, 1, 1)
+        self.std = torch.tensor(std * 255, dtype=self.dtype).view(1, -1, 1, 1)
+        self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(
+        self, images: torch.Tensor, out: torch.Tensor | None, channels_last: bool
+    ) -> torch.Tensor:
+        """Normalise ``images`` into ``out`` (a float N x C x H x W buffer, in either memory
+        layout), or into a new tensor on their device: in torch's ``channels_last`` memory
+        format with ``channels_last``, else contiguous."""
+        as_nchw = images.permute(0, 3, 1, 2)  # a view: the memory stays N x H x W x C
+        if out is None:
+            out = as_nchw.to(self.dtype)
+        else:
+            out.copy_(as_nchw)
+        mean, std = self.constants(out.device)
+        out.sub_(mean).div_(std)
+        return out if channels_last or out.is_contiguous() else out.contiguous()
+
+    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std (times 255) on ``device``, copied there once."""
+        constants = self.on_device.get(device)
+        if constants is None:
+            constants = self.on_device[device] = (self.mean.to(device), self.std.to(device))
+        return constants
+
+
+def output(
+    images: torch.Tensor,
+    normalize: Normalize | None,
+    channels_last: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """uint8 N x H x W x C ``images`` as the loader hands them out: normalised (into ``out``
+    when given), or with ``channels_last`` as an N x C x H x W view, or as they are."""
+    if normalize is not None:
+        return normalize(images, out, channels_last)
+    return images.permute(0, 3, 1, 2) if channels_last else images
+
+
+class Ring:
+    """The batch buffers: uint8 images and labels, and (CPU normalisation) float images.
+
+    Each slot is a tensor of its own, not a view of one ring: autograd checks that a tensor it
+    saved for the backward pass was not written since, by a version count that all views of a
+    tensor share, so refilling one slot must not touch the version of the batch being trained
+    on.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        batch_size: int,
+        shape: tuple[int, int, int],
+        pin_memory: bool,
+        normalize: Normalize | None,
+        channels_last: bool,
+    ) -> None:
+        self.shape = shape
+        if pin_memory:
+            self.images = [
+                torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=True)
+                for _ in range(slots)
+            ]
+            self.labels = [
+                torch.empty(batch_size, dtype=torch.int64).pin_memory() for _ in range(slots)
+            ]
+        else:
+            # numpy's allocator asks for transparent huge pages on large arrays: the first
+            # touch of a 50 MB slot faults 25 huge pages instead of 12,000 small ones.
+            self.images = [
+                torch.from_numpy(np.empty((batch_size, *shape), np.uint8)) for _ in range(slots)
+            ]
+            self.labels = [torch.from_numpy(np.empty(batch_size, np.int64)) for _ in range(slots)]
+        self.floats: list[torch.Tensor] | None = None
+        if normalize is not None:
+            height, width, channels = shape
+            if channels_last:  # N x C x H x W views of N x H x W x C memory
+                self.floats = [
+                    torch.empty((batch_size, height, width, channels), dtype=normalize.dtype)
+                    .permute(0, 3, 1, 2)
+                    for _ in range(slots)
+                ]  # fmt: skip
+            else:
+                self.floats = [
+                    torch.empty((batch_size, channels, height, width), dtype=normalize.dtype)
+                    for _ in range(slots)
+                ]
+        self.normalize, self.channels_last = normalize, channels_last
+
+    def output(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s first ``n`` images and labels as the loader hands them out (CPU)."""
+        floats = self.floats[slot][:n] if self.floats is not None else None
+        images = output(self.images[slot][:n], self.normalize, self.channels_last, floats)
+        return images, self.labels[slot][:n]
+
+
+@dataclass
+class Job:
+    """What the filling threads of one iteration read (only ``fd`` changes: closed at the end).
+
+    Attributes:
+        order: the record indices of the iteration, in order.
+        batch_size: records per batch (the last batch may hold fewer).
+        ahead: CPU: batches filled ahead of the one the consumer holds (the ring has one slot
+            more); CUDA: device batches ready and not yet taken, at most.
+        ring: the buffers (CPU: a slot per batch in flight; CUDA: a pinned slot per thread).
+        device: where batches go.
+        normalize: the normalisation of CUDA batches (CPU ones are normalised by the ring).
+        channels_last: the memory format of the batches handed out.
+        reader: the records.
+        mapping: the data file's mapping, a flat uint8 array (None for an empty order).
+        mapping_tensor: the same memory as a tensor (crops resize views of it).
+        mapped: copy records out of ``mapping`` (else read them with ``pread``).
+        read_ahead: the sampler's ``ReadAhead`` to tell how far the threads got, or None.
+        fd: a descriptor of the data file advised for random reads, or -1 (see
+            ``random_reader``).
+        crop: the crop (``boxes``, ``draws``, ``kernel``), or None.
+        flip: mirror each image with probability 1/2.
+        draws: (seed, epoch, rank): the key of the boxes' and flips' uniform numbers.
+    """
+
+    order: np.ndarray
+    batch_size: int
+    ahead: int
+    ring: Ring
+    device: torch.device
+    normalize: Normalize | None
+    channels_last: bool
+    reader: RecordReader
+    mapping: np.ndarray | None
+    mapping_tensor: torch.Tensor | None
+    mapped: bool
+    read_ahead: Any
+    fd: int
+    crop: Any
+    flip: bool
+    draws: tuple[int, int, int]
+
+    @property
+    def count(self) -> int:
+        """Batches in the iteration."""
+        return -(-len(self.order) // self.batch_size)
+
+
+class Batch(NamedTuple):
+    """A filled batch, ready to hand out."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    copied: Any  # CUDA: the event of its copy to the device; CPU: None
+
+
+class Failure(NamedTuple):
+    """The first error of an iteration's threads: batches before it are still handed out."""
+
+    batch: int  # the number of the batch being filled
+    error: BaseException
+
+
+class Shared:
+    """What the filling threads and the consumer share (the threads never see the iterator, so
+    dropping the iterator can finalize it and stop them)."""
+
+    def __init__(self, first: int) -> None:
+        self.cond = threading.Condition()
+        self.next_batch = first  # the next batch number a thread will take
+        self.released = first  # batches before this one are given back by the consumer
+        self.ready: dict[int, Batch] = {}  # batch number -> batch
+        self.failure: Failure | None = None
+        self.stop = False
+
+
+class Iteration:
+    """One pass over a BatchLoader's order: starts the threads, hands out batches in order.
+
+    Args:
+        job: what the threads read.
+        start: batches of the order to skip (a resumed epoch).
+        threads: filling threads (no more than there are batches to fill).
+        taken: called with the number of batches handed out, after each.
+    """
+
+    def __init__(self, job: Job, start: int, threads: int, taken: Callable[[int], None]) -> None:
+        self._count = job.count
+        self._taken = min(start, self._count)
+        self._shared = shared = Shared(self._taken)
+        self._on_taken = taken
+        self._closed: str | None = None
+        self._threads = [
+            threading.Thread(
+                target=fill_batches,
+                args=(job, shared, number),
+                name=f"mmcache-BatchLoader-{number}",
+                daemon=True,
+            )
+            for number in range(min(threads, max(self._count - self._taken, 1)))
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._finalizer = weakref.finalize(self, stop, shared, self._threads, job)
+
+    def __iter__(self) -> Iteration:
+        return self
+
+    def __len__(self) -> int:
+        return self._count - self._taken
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._closed is not None:
+            raise RuntimeError(self._closed)
+        if self._taken >= self._count:
+            self.close()
+            raise StopIteration
+        batch = self._wait(self._taken)
+        self._taken += 1
+        self._on_taken(self._taken)
+        if batch.copied is not None:
+            # The current stream is per thread: order the caller's stream after the copy, and
+            # tell the caching allocator that stream uses the tensors, so their memory is not
+            # handed to a later side-stream allocation while the caller's work still reads it.
+            current = torch.cuda.current_stream(batch.images.device)
+            current.wait_event(batch.copied)
+            batch.images.record_stream(current)
+            batch.labels.record_stream(current)
+        return batch.images, batch.labels
+
+    def _wait(self, number: int) -> Batch:
+        """Batch ``number`` once a thread has filled it; a thread's error instead if it failed
+        on this batch (or on an earlier one, which cannot happen: they were handed out)."""
+        shared = self._shared
+        with shared.cond:
+            shared.released = number  # the batch handed out before this one may be refilled
+            shared.cond.notify_all()
+            while number not in shared.ready and (
+                shared.failure is None or shared.failure.batch > number
+            ):
+                shared.cond.wait()
+            batch = shared.ready.pop(number, None)
+            if batch is None:
+                error, shared.failure = shared.failure.error, None
+        if batch is None:
+            self.close("BatchLoader: this iteration stopped on an error")
+            raise error
+        return batch
+
+    def close(self, reason: str | None = None) -> None:
+        """Stop and join the threads; a later ``next()`` raises ``reason`` if one is given."""
+        self._finalizer()
+        if reason is not None:
+            self._closed = reason
+
+
+def stop(shared: Shared, threads: list[threading.Thread], job: Job) -> None:
+    """Tell the threads to stop, join them, and close what the job opened."""
+    with shared.cond:
+        shared.stop = True
+        shared.cond.notify_all()
+    me = threading.current_thread()
+    for thread in threads:
+        if thread is not me:
+            thread.join()
+    if job.read_ahead is not None:
+        job.read_ahead.close()
+    if job.fd >= 0:
+        os.close(job.fd)
+        job.fd = -1
+
+
+def random_reader(reader: RecordReader, order: np.ndarray) -> int:
+    """A descriptor of the data file advised ``POSIX_FADV_RANDOM`` for a shuffled order's
+    ``pread``s, or -1: a sequential order, or no such advice here (the reader's own descriptor
+    is used then).
+
+    The kernel otherwise takes a read whose preceding record is cached for a sequential stream
+    and reads ahead records the order will not want yet, which costs a slow disk more reads
+    than the order makes.
+    """
+    steps = np.diff(order)
+    forward = np.count_nonzero((steps > 0) & (steps <= NEARBY))  # in order, or a small stride
+    if len(steps) == 0 or forward >= SEQUENTIAL_SHARE * len(steps):
+        return -1
+    if not hasattr(os, "posix_fadvise"):
+        return -1
+    try:
+        fd = os.open(reader.data_path, os.O_RDONLY)
+    except OSError:
+        return -1  # a data file replaced since the dataset opened: read through the reader
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def as_tensor(mapping: np.ndarray) -> torch.Tensor:
+    """The read-only mapping of the data file as a flat uint8 tensor (no copy). torch warns
+    that it cannot mark the tensor read-only; nothing writes through it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(mapping)
+
+
+def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
+    """A filling thread: take batch numbers in turn, fill each into its slot, publish it."""
+    cuda = job.device.type == "cuda"
+    number = -1  # the batch being filled
+    try:
+        stream = torch.cuda.Stream(job.device) if cuda else None
+        scratch = Scratch()
+        slots = len(job.ring.images)
+        while True:
+            with shared.cond:
+                number = shared.next_batch
+                if number >= job.count or shared.stop or shared.failure is not None:
+                    return
+                shared.next_batch += 1
+                # CPU: slot number % slots last held batch number - slots, given back once the
+                # consumer asks for the batch after that. CUDA: bound the device batches waiting.
+                while number > shared.released + job.ahead and not shared.stop:
+                    shared.cond.wait()
+                if shared.stop:
+                    return
+            slot = thread_number if cuda else number % slots
+            if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
+                first = number * job.batch_size
+                last = min(first + job.batch_size, len(job.order)) - 1
+                for position in (first, last):
+                    job.read_ahead.reached(position)
+                    job.read_ahead.wait(position)
+            n = fill(job, slot, number, shared, scratch)
+            if n is None:
+                return
+            images, labels = job.ring.images[slot][:n], job.ring.labels[slot][:n]
+            if cuda:
+                batch = to_device(job, images, labels, stream)
+            else:
+                batch = Batch(*job.ring.output(slot, n), copied=None)
+            with shared.cond:
+                shared.ready[number] = batch
+                shared.cond.notify_all()
+    except BaseException as e:  # handed to the consumer, which raises it from next()
+        with shared.cond:
+            if shared.failure is None or number < shared.failure.batch:
+                shared.failure = Failure(number, e)
+            shared.cond.notify_all()
+
+
+class Scratch:
+    """A filling thread's reusable buffers: rows read with pread, the uniform numbers of
+    boxes and flips, the planes of I420 crops."""
+
+    def __init__(self) -> None:
+        self.rows = np.empty(0, np.uint8)
+        self.numbers = np.empty(0, np.uint8)
+        self.ycc = np.empty(0, np.uint8)  # I420 crops: the planes resized, then converted
+        self.plane = np.empty(0, np.uint8)
+
+    def take(self, name: str, nbytes: int) -> np.ndarray:
+        buf = getattr(self, name)
+        if buf.size < nbytes:  # grows to the largest record once, then is reused
+            buf = np.empty(nbytes, np.uint8)
+            setattr(self, name, buf)
+        return buf[:nbytes]
+
+
+def uniforms(draws: tuple[int, int, int], first: int, n: int, scratch: Scratch) -> np.ndarray:
+    """The ``DRAWS`` uniform numbers of positions ``first .. first + n - 1`` of the epoch,
+    drawn into the thread's scratch buffer."""
+    blocks = range(first // DRAW_BLOCK, (first + n - 1) // DRAW_BLOCK + 1)
+    numbers = scratch.take("numbers", len(blocks) * DRAW_BLOCK * DRAWS * 8).view(np.float64)
+    numbers = numbers.reshape(len(blocks) * DRAW_BLOCK, DRAWS)
+    for k, block in enumerate(blocks):
+        rng = np.random.default_rng([*draws, block])
+        rng.random(out=numbers[k * DRAW_BLOCK : (k + 1) * DRAW_BLOCK])
+    start = first - blocks[0] * DRAW_BLOCK
+    return numbers[start : start + n]
+
+
+def draw(
+    crop: Any,
+    flip: bool,
+    draws: tuple[int, int, int],
+    shapes: np.ndarray,
+    first: int,
+    scratch: Scratch,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The crop boxes and flips of the records of ``shapes`` at positions ``first ...`` of an
+    epoch (None for what is not asked)."""
+    if crop is None and not flip:
+        return None, None
+    numbers = uniforms(draws, first, len(shapes), scratch)
+    flips = (numbers[:, -1] < 0.5) if flip else None
+    boxes = crop.boxes(shapes, numbers[:, : crop.draws]) if crop is not None else None
+    return boxes, flips
+
+
+class Record(NamedTuple):
+    """One record of a batch, as a filling thread reads it."""
+
+    index: int  # its index in the cache
+    offset: int  # where it starts in the data file
+    shape: np.ndarray  # (height, width, channels)
+    filled: bool  # it holds its pixels (else the reader reads it: it fills or raises)
+
+
+def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> int | None:
+    """Fill ring slot ``slot`` with batch ``number``; its count, or None if told to stop."""
+    first = number * job.batch_size
+    indices = job.order[first : first + job.batch_size]
+    n = len(indices)
+    reader, records = job.reader, job.reader.records
+    # A data file cut short since it was mapped would kill the process with SIGBUS at the
+    # first page past its end: checked before each batch (one fstat), and a batch that finds it
+    # cut short is read with pread, which raises the reader's CacheFormatError for the records
+    # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
+    mapped = job.mapped and not reader.cut_short()
+    slot_images = job.ring.images[slot]
+    images = slot_images.numpy()
+    np.take(records.labels, indices, out=job.ring.labels[slot][:n].numpy())
+    filled = reader.filled(indices)
+    offsets = records.offsets[indices].tolist()
+    shapes = records.shapes[indices]
+    boxes, flips = draw(job.crop, job.flip, job.draws, shapes, first, scratch)
+    boxes = boxes.tolist() if boxes is not None else None
+    # One slice copy (or one resize) per record, each releasing the GIL (np.take over a
+    # strided 2-D view of the mapping was slower for records of a megabyte).
+    for j, offset in enumerate(offsets):
+        if shared.stop:
+            return None
+        record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
+        box = boxes[j] if boxes is not None else None
+        if reader.pixels != "rgb":
+            fill_planar(job, mapped, record, box, images[j], scratch)
+        elif box is None:
+            copy_whole(job, mapped, record, images[j])
+        else:
+            top, left, box_height, box_width = box
+            rows = box_rows(job, mapped, record, top, box_height, scratch)
+            resize_into(rows[:, left : left + box_width], slot_images[j], *job.crop.kernel)
+        if flips is not None and flips[j]:
+            cv2.flip(images[j], 1, dst=images[j])
+    return n
+
+
+def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
+    """Copy an RGB record, all of it, into ``out`` (of the record's shape)."""
+    flat = out.reshape(-1)
+    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
+        flat[:] = job.reader.read(record.index).reshape(-1)
+    elif mapped:
+        flat[:] = job.mapping[record.offset : record.offset + flat.size]
+    else:
+        pread(job, record, flat)
+
+
+def fill_planar(
+    job: Job,
+    mapped: bool,
+    record: Record,
+    box: list[int] | None,
+    out: np.ndarray,
+    scratch: Scratch,
+) -> None:
+    """Convert I420 ``record`` into ``out``, whole, or its ``box`` resized plane by plane to
+    the output size first (so only the output's pixels are converted). Unless ``mapped`` (see
+    ``fill``), a box's rows of each plane are read with ``pread``, not the record."""
+    rows_from = (0, 0)
+    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
+        y, cb, cr = job.reader.planes(record.index)
+    elif box is not None and not mapped:
+        y, cb, cr = planar_box_rows(job, record, box, scratch)
+        rows_from = (box[0], px.chroma_box(box)[0])
+    else:
+        n = int(px.record_nbytes(*(int(v) for v in record.shape), job.reader.pixels))
+        if mapped:
+            flat = job.mapping[record.offset : record.offset + n]
+        else:
+            flat = scratch.take("rows", n)
+            pread(job, record, flat)
+        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
+    if box is None:
+        px.convert(y, cb, cr, job.reader.color, out)
+        return
+    kernel = job.crop.kernel
+
+    def resize(src: np.ndarray, dst: np.ndarray) -> None:
+        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
+
+    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.reader.color, rows_from)
+
+
+def planar_box_rows(
+    job: Job, record: Record, box: list[int], scratch: Scratch
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of each plane of an I420 record that its ``box`` covers, read with ``pread``
+    into the thread's scratch buffer."""
+    height, width = int(record.shape[0]), int(record.shape[1])
+    chroma_height, chroma_width = px.chroma_shape(height, width)
+    chroma_top, _, chroma_rows, _ = px.chroma_box(box)
+    top, rows = box[0], box[2]
+    luma_bytes, chroma_bytes = rows * width, chroma_rows * chroma_width
+    buf = scratch.take("rows", luma_bytes + 2 * chroma_bytes)
+    y = buf[:luma_bytes]
+    cb = buf[luma_bytes : luma_bytes + chroma_bytes]
+    cr = buf[luma_bytes + chroma_bytes :]
+    for part, plane_start, row, plane_width in zip(
+        (y, cb, cr), px.plane_offsets(height, width), (top, chroma_top, chroma_top),
+        (width, chroma_width, chroma_width),
+    ):  # fmt: skip
+        pread(job, record, part, plane_start + row * plane_width)
+    shape = (chroma_rows, chroma_width)
+    return y.reshape(rows, width), cb.reshape(shape), cr.reshape(shape)
+
+
+def box_rows(
+    job: Job, mapped: bool, record: Record, top: int, rows: int, scratch: Scratch
+) -> torch.Tensor:
+    """Rows ``top .. top + rows - 1`` of an RGB record as a rows x W x C tensor: a view of the
+    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
+    buffer."""
+    height, width, channels = (int(v) for v in record.shape)
+    if not record.filled:
+        return torch.from_numpy(job.reader.read(record.index))[top : top + rows]
+    if mapped:
+        start = record.offset
+        whole = job.mapping_tensor[start : start + height * width * channels]
+        whole = whole.view(height, width, channels)
+        return whole[top : top + rows]
+    buf = scratch.take("rows", rows * width * channels)
+    pread(job, record, buf, top * width * channels)
+    return torch.from_numpy(buf).view(rows, width, channels)
+
+
+def pread(job: Job, record: Record, out: np.ndarray, start: int = 0) -> None:
+    """Read ``out.nbytes`` of ``record`` from byte ``start`` of it on: through the iteration's
+    own descriptor when it has one, else (or on a short read, so that the error is the
+    reader's) through the reader."""
+    if job.fd < 0 or os.preadv(job.fd, [out], record.offset + start) != out.nbytes:
+        job.reader.read_into(record.index, out, start)
+
+
+def to_device(job: Job, images: torch.Tensor, labels: torch.Tensor, stream: Any) -> Batch:
+    """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
+    the copy: the slot refills next."""
+    with torch.cuda.stream(stream):
+        on_device = images.to(job.device, non_blocking=True)
+        labels_on_device = labels.to(job.device, non_blocking=True)
+        on_device = output(on_device, job.normalize, job.channels_last)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    # The copy of a batch takes a few milliseconds at PCIe speed, less than filling the next
+    # batch; waiting here lets this thread's one pinned slot be refilled without a second ring.
+    copied.synchronize()
+    return Batch(on_device, labels_on_device, copied)
