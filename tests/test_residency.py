@@ -172,7 +172,7 @@ def test_info_fields(small_folder, tmp_path):
 
 
 def test_info_cli_text_and_json(small_folder, tmp_path, capsys):
-    build_cache(small_folder, tmp_path / "c", size=(32, 24), workers=1)
+    build_cache(small_folder, tmp_path / "c", size=(24, 32), workers=1)
     assert main(["info", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "12 (12 filled), 3 classes, 0 skipped" in out
