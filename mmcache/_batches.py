@@ -419,8 +419,9 @@ class Scratch:
     def __init__(self) -> None:
         self.rows = np.empty(0, np.uint8)
         self.numbers = np.empty(0, np.uint8)
-        self.ycc = np.empty(0, np.uint8)  # I420 crops: the planes resized, then converted
-        self.plane = np.empty(0, np.uint8)
+        # I420 crops: a chroma plane's window upsampled, the box as YCrCb converted in place
+        self.upsampled = np.empty(0, np.uint8)
+        self.ycc = np.empty(0, np.uint8)
 
     def take(self, name: str, nbytes: int) -> np.ndarray:
         buf = getattr(self, name)
@@ -528,15 +529,17 @@ def fill_planar(
     out: np.ndarray,
     scratch: Scratch,
 ) -> None:
-    """Convert I420 ``record`` into ``out``, whole, or its ``box`` resized plane by plane to
-    the output size first (so only the output's pixels are converted). Unless ``mapped`` (see
-    ``fill``), a box's rows of each plane are read with ``pread``, not the record."""
+    """Convert I420 ``record`` into ``out``, whole, or only its ``box`` and then resized, as
+    the RGB path resizes (so the crop equals the same crop of the record read as RGB). Unless
+    ``mapped`` (see ``fill``), a box's rows of each plane are read with ``pread``, not the
+    record."""
+    shape = (int(record.shape[0]), int(record.shape[1]))
     rows_from = (0, 0)
     if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
         y, cb, cr = job.reader.planes(record.index)
     elif box is not None and not mapped:
         y, cb, cr = planar_box_rows(job, record, box, scratch)
-        rows_from = (box[0], px.chroma_box(box)[0])
+        rows_from = (box[0], px.chroma_window(box, shape)[0])
     else:
         n = int(px.record_nbytes(*(int(v) for v in record.shape), job.reader.pixels))
         if mapped:
@@ -553,17 +556,17 @@ def fill_planar(
     def resize(src: np.ndarray, dst: np.ndarray) -> None:
         resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
 
-    px.crop_into(y, cb, cr, box, out, resize, scratch.take, job.reader.color, rows_from)
+    px.crop_into(y, cb, cr, box, shape, out, resize, scratch.take, job.reader.color, rows_from)
 
 
 def planar_box_rows(
     job: Job, record: Record, box: list[int], scratch: Scratch
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows of each plane of an I420 record that its ``box`` covers, read with ``pread``
-    into the thread's scratch buffer."""
+    """The rows of each plane of an I420 record that its ``box`` is converted from
+    (``pixels.chroma_window``), read with ``pread`` into the thread's scratch buffer."""
     height, width = int(record.shape[0]), int(record.shape[1])
-    chroma_height, chroma_width = px.chroma_shape(height, width)
-    chroma_top, _, chroma_rows, _ = px.chroma_box(box)
+    chroma_width = px.chroma_shape(height, width)[1]
+    chroma_top, _, chroma_rows, _ = px.chroma_window(box, (height, width))
     top, rows = box[0], box[2]
     luma_bytes, chroma_bytes = rows * width, chroma_rows * chroma_width
     buf = scratch.take("rows", luma_bytes + 2 * chroma_bytes)

@@ -121,21 +121,19 @@ def convert(
     """The H x W x 3 image (RGB, or BGR for ``color="bgr"``) of I420 planes, into ``out``
     if given."""
     h, w = y.shape
-    ch, cw = cb.shape
-    if (ch, cw) != chroma_shape(h, w):
-        raise ValueError(f"chroma planes of {ch}x{cw} do not fit a {h}x{w} luma plane")
-    ycc = np.empty((h, w, 3), np.uint8)
-    ycc[..., 0] = y
-    for k, plane in ((1, cr), (2, cb)):
-        # to the even size, then cut: an odd size's last chroma sample covers one pixel
-        full = cv2.resize(plane, (2 * cw, 2 * ch), interpolation=cv2.INTER_LINEAR)
-        ycc[..., k] = full[:h, :w]
+    if cb.shape != chroma_shape(h, w):
+        raise ValueError(f"chroma planes of {cb.shape} do not fit a {h}x{w} luma plane")
+    ycc = ycc_window(y, cb, cr, (0, 0, h, w), (h, w), _new_buffer)
     if out is None:
-        return cv2.cvtColor(ycc, _TO_COLOR[color])
+        return cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc)
     done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
     if done.ctypes.data != out.ctypes.data:  # cv2 made its own array: out was not usable
         out[...] = done
     return out
+
+
+def _new_buffer(name: str, nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
 
 
 def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
@@ -144,12 +142,55 @@ def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
     return 0, height * width, height * width + ch * cw
 
 
-def chroma_box(box: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """The chroma planes' box ``(top, left, height, width)`` that covers the luma ``box``:
-    at half its coordinates, rounded outwards."""
+def chroma_span(start: int, length: int, samples: int) -> tuple[int, int]:
+    """The chroma rows (or columns) ``[first, end)`` that luma rows ``start .. start + length
+    - 1`` are upsampled from, of a plane of ``samples``: the half coordinates with one sample
+    more each side (bilinear at exactly 2x reads the two nearest), within the plane. Upsampled
+    alone, they give those luma rows exactly as upsampling the whole plane does."""
+    return max(0, start // 2 - 1), min(samples, (start + length) // 2 + 1)
+
+
+def chroma_window(
+    box: tuple[int, int, int, int], shape: tuple[int, int]
+) -> tuple[int, int, int, int]:
+    """The chroma planes' window ``(top, left, height, width)`` that the luma ``box`` of a
+    record of ``shape`` (H, W) is converted from (``chroma_span`` of its rows and columns)."""
+    ch, cw = chroma_shape(*shape)
+    top, bottom = chroma_span(box[0], box[2], ch)
+    left, right = chroma_span(box[1], box[3], cw)
+    return top, left, bottom - top, right - left
+
+
+def ycc_window(
+    y: np.ndarray,
+    cb: np.ndarray,
+    cr: np.ndarray,
+    box: tuple[int, int, int, int],
+    shape: tuple[int, int],
+    take: Callable[[str, int], np.ndarray],
+    rows_from: tuple[int, int] = (0, 0),
+) -> np.ndarray:
+    """The box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W) as a
+    height x width x 3 YCrCb image (OpenCV's channel order) in a ``take`` buffer: its chroma
+    window upsampled at 2x with ``INTER_LINEAR``, so every pixel equals the same pixel of the
+    whole record's conversion. ``take(name, nbytes)`` gives reusable scratch buffers;
+    ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
+    some rows (read with ``pread``)."""
     top, left, bh, bw = box
-    ct, cl = top // 2, left // 2
-    return ct, cl, -(-(top + bh) // 2) - ct, -(-(left + bw) // 2) - cl
+    ct, cl, cbh, cbw = chroma_window(box, shape)
+    rows = slice(ct - rows_from[1], ct - rows_from[1] + cbh)
+    ycc = take("ycc", bh * bw * 3).reshape(bh, bw, 3)
+    y_top = top - rows_from[0]
+    ycc[..., 0] = y[y_top : y_top + bh, left : left + bw]
+    # One plane at a time: numpy copies a plane into every third byte quickly, where
+    # interleaved pairs (a 2-channel upsampling) copied ten times slower, and cv2.merge of
+    # windows (not whole arrays) was slower still.
+    up = take("upsampled", 4 * cbh * cbw).reshape(2 * cbh, 2 * cbw)
+    for k, plane in ((1, cr), (2, cb)):
+        cv2.resize(plane[rows, cl : cl + cbw], (2 * cbw, 2 * cbh), dst=up,
+                   interpolation=cv2.INTER_LINEAR)  # fmt: skip
+        ycc[..., k] = up[top - 2 * ct : top - 2 * ct + bh, left - 2 * cl : left - 2 * cl + bw]
+    return ycc
 
 
 def crop_into(
@@ -157,36 +198,19 @@ def crop_into(
     cb: np.ndarray,
     cr: np.ndarray,
     box: tuple[int, int, int, int],
+    shape: tuple[int, int],
     out: np.ndarray,
     resize: Callable[[np.ndarray, np.ndarray], None],
     take: Callable[[str, int], np.ndarray],
     color: str = "rgb",
     rows_from: tuple[int, int] = (0, 0),
 ) -> None:
-    """Resize the box ``(top, left, height, width)`` of I420 planes into the H x W x 3
-    ``out``: each plane's box (``chroma_box`` for Cb and Cr) resized to the output size with
-    ``resize(src, dst)`` (H x W x 1 arrays), then one conversion.
-
-    ``take(name, nbytes)`` gives reusable scratch buffers, so nothing is allocated per crop.
-    ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
-    the box's rows (read with ``pread``). The chroma box is exact when ``top``, ``left``,
-    ``height`` and ``width`` are even, and off by up to half a chroma sample otherwise
-    (docs/pixels.md gives the difference).
-    """
-    top, left, bh, bw = box
-    ct, cl, cbh, cbw = chroma_box(box)
-    top, ct = top - rows_from[0], ct - rows_from[1]
-    oh, ow = out.shape[:2]
-    ycc = take("ycc", oh * ow * 3).reshape(oh, ow, 3)
-    plane = take("plane", oh * ow).reshape(oh, ow, 1)
-    for k, src in ((0, y[top : top + bh, left : left + bw]),
-                   (1, cr[ct : ct + cbh, cl : cl + cbw]),
-                   (2, cb[ct : ct + cbh, cl : cl + cbw])):  # fmt: skip
-        resize(src[..., None], plane)
-        ycc[..., k] = plane[..., 0]
-    done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
-    if done.ctypes.data != out.ctypes.data:
-        out[...] = done
+    """Resize the box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W)
+    into the H x W x 3 ``out``: the box converted (``ycc_window``: the pixels of the whole
+    record's conversion), then ``resize(src, dst)``, so a crop equals the same crop of the
+    record read as RGB. Only the box is converted; ``take`` gives reusable scratch buffers."""
+    ycc = ycc_window(y, cb, cr, box, shape, take, rows_from)
+    resize(cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc), out)
 
 
 def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
