@@ -419,7 +419,11 @@ class Scratch:
     def __init__(self) -> None:
         self.rows = np.empty(0, np.uint8)
         self.numbers = np.empty(0, np.uint8)
-        # I420 crops: a chroma plane's window upsampled, the box as YCrCb converted in place
+        # I420 crops: the box's window of each plane (chroma upsampled), converted, the box
+        self.cr = np.empty(0, np.uint8)
+        self.cb = np.empty(0, np.uint8)
+        self.luma = np.empty(0, np.uint8)
+        self.box = np.empty(0, np.uint8)
         self.upsampled = np.empty(0, np.uint8)
         self.ycc = np.empty(0, np.uint8)
 

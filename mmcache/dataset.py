@@ -27,6 +27,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from . import format as fmt
+from . import pixels as px
 from ._records import RecordReader, open_reader
 from ._staleness import rebuild_advice, recorded_source, same_options, same_source, stale_reason
 from .build import build_cache, create_lazy_cache
@@ -40,6 +41,7 @@ from .errors import (
 )
 from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source
+from .transforms import leading_crop
 
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
@@ -288,10 +290,16 @@ class MemmapImageDataset(Dataset):
                     f"{reader.bad(i)}; pass on_bad='substitute' to read the next image instead"
                 )
             i, stored = self._substitute(i)
-        img = reader.image(stored)
+        # An I420 record under one of mmcache's crops: only the box is converted (the same
+        # pixels as cropping the converted image, drawn the same way).
+        crop, transform = leading_crop(self.transform) if stored.dtype.names else (None, None)
+        if crop is not None:
+            img = crop.crop_planes(*px.planes(stored), reader.color)
+        else:
+            img, transform = reader.image(stored), self.transform
         target = int(reader.labels[i])
-        if self.transform is not None:
-            img = self.transform(img)
+        if transform is not None:
+            img = transform(img)
         if self.target_transform is not None:
             target = self.target_transform(target)
         return img, target

@@ -18,6 +18,7 @@ record's, and its dtype carries the image's size.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -123,17 +124,25 @@ def convert(
     h, w = y.shape
     if cb.shape != chroma_shape(h, w):
         raise ValueError(f"chroma planes of {cb.shape} do not fit a {h}x{w} luma plane")
-    ycc = ycc_window(y, cb, cr, (0, 0, h, w), (h, w), _new_buffer)
     if out is None:
-        return cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc)
-    done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
-    if done.ctypes.data != out.ctypes.data:  # cv2 made its own array: out was not usable
-        out[...] = done
+        out = np.empty((h, w, 3), np.uint8)
+    np.copyto(out, converted_window(y, cb, cr, (0, 0, h, w), (h, w), color, thread_buffer))
     return out
 
 
-def _new_buffer(name: str, nbytes: int) -> np.ndarray:
-    return np.empty(nbytes, np.uint8)
+# Each thread's conversion buffers, kept: memory freed and taken again is slow to touch on
+# some machines (a VM whose freed pages go back to the host), and a dataset converts a record
+# per sample.
+_buffers = threading.local()
+
+
+def thread_buffer(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable buffer ``name`` of at least ``nbytes``."""
+    buf = getattr(_buffers, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        setattr(_buffers, name, buf)
+    return buf[:nbytes]
 
 
 def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
@@ -161,36 +170,45 @@ def chroma_window(
     return top, left, bottom - top, right - left
 
 
-def ycc_window(
+def converted_window(
     y: np.ndarray,
     cb: np.ndarray,
     cr: np.ndarray,
     box: tuple[int, int, int, int],
     shape: tuple[int, int],
+    color: str,
     take: Callable[[str, int], np.ndarray],
     rows_from: tuple[int, int] = (0, 0),
 ) -> np.ndarray:
-    """The box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W) as a
-    height x width x 3 YCrCb image (OpenCV's channel order) in a ``take`` buffer: its chroma
-    window upsampled at 2x with ``INTER_LINEAR``, so every pixel equals the same pixel of the
+    """The box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W),
+    converted to ``color``: a height x width x 3 view of a ``take`` buffer. Its chroma window
+    is upsampled alone at 2x with ``INTER_LINEAR``, so every pixel equals the same pixel of the
     whole record's conversion. ``take(name, nbytes)`` gives reusable scratch buffers;
     ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
-    some rows (read with ``pread``)."""
+    the rows the box needs (read with ``pread``)."""
     top, left, bh, bw = box
     ct, cl, cbh, cbw = chroma_window(box, shape)
     rows = slice(ct - rows_from[1], ct - rows_from[1] + cbh)
-    ycc = take("ycc", bh * bw * 3).reshape(bh, bw, 3)
-    y_top = top - rows_from[0]
-    ycc[..., 0] = y[y_top : y_top + bh, left : left + bw]
-    # One plane at a time: numpy copies a plane into every third byte quickly, where
-    # interleaved pairs (a 2-channel upsampling) copied ten times slower, and cv2.merge of
-    # windows (not whole arrays) was slower still.
-    up = take("upsampled", 4 * cbh * cbw).reshape(2 * cbh, 2 * cbw)
-    for k, plane in ((1, cr), (2, cb)):
-        cv2.resize(plane[rows, cl : cl + cbw], (2 * cbw, 2 * cbh), dst=up,
-                   interpolation=cv2.INTER_LINEAR)  # fmt: skip
-        ycc[..., k] = up[top - 2 * ct : top - 2 * ct + bh, left - 2 * cl : left - 2 * cl + bw]
-    return ycc
+    size = (2 * cbh, 2 * cbw)
+    # The planes of the window as three whole arrays of one size, then one merge: OpenCV
+    # merges whole arrays several times faster than windows of planes (strided rows) or
+    # arrays of mixed channel counts, and numpy interleaves slower still.
+    dy, dx = top - 2 * ct, left - 2 * cl
+    luma = take("luma", size[0] * size[1]).reshape(size)
+    # Only the box's pixels of the luma are read; the rest of the window (a margin of up to
+    # three pixels) is converted but not returned.
+    luma[dy : dy + bh, dx : dx + bw] = y[
+        top - rows_from[0] : top - rows_from[0] + bh, left : left + bw
+    ]
+    upsampled = []
+    for name, plane in (("cr", cr), ("cb", cb)):
+        up = take(name, size[0] * size[1]).reshape(size)
+        cv2.resize(plane[rows, cl : cl + cbw], size[::-1], dst=up, interpolation=cv2.INTER_LINEAR)
+        upsampled.append(up)
+    ycc = take("ycc", size[0] * size[1] * 3).reshape(*size, 3)
+    cv2.merge([luma, *upsampled], dst=ycc)
+    cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc)
+    return ycc[dy : dy + bh, dx : dx + bw]
 
 
 def crop_into(
@@ -206,11 +224,14 @@ def crop_into(
     rows_from: tuple[int, int] = (0, 0),
 ) -> None:
     """Resize the box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W)
-    into the H x W x 3 ``out``: the box converted (``ycc_window``: the pixels of the whole
-    record's conversion), then ``resize(src, dst)``, so a crop equals the same crop of the
-    record read as RGB. Only the box is converted; ``take`` gives reusable scratch buffers."""
-    ycc = ycc_window(y, cb, cr, box, shape, take, rows_from)
-    resize(cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc), out)
+    into the H x W x 3 ``out``: the box converted (``converted_window``: the pixels of the
+    whole record's conversion), then ``resize(src, dst)``, so a crop equals the same crop of
+    the record read as RGB. ``take`` gives reusable scratch buffers."""
+    window = converted_window(y, cb, cr, box, shape, color, take, rows_from)
+    # A contiguous copy first: torch's resize reads a strided window far slower.
+    src = take("box", window.nbytes).reshape(window.shape)
+    np.copyto(src, window)
+    resize(src, out)
 
 
 def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:

@@ -46,6 +46,7 @@ import cv2
 import numpy as np
 import torch
 
+from . import pixels as px
 from ._interpolation import NAMES, OPENCV, RENAMED, interpolation_name
 
 __all__ = [
@@ -161,12 +162,32 @@ class _Crop:
         u = [()] * len(rows) if uniforms is None else np.asarray(uniforms).tolist()
         return np.array([self.box(h, w, v) for (h, w), v in zip(rows, u)], np.int64).reshape(-1, 4)
 
+    def draw(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """The box of one image of ``height`` x ``width``, drawn from torch's generator as
+        ``__call__`` draws it (warning as it warns of upscaling)."""
+        self.warn_if_upscaling(np.array([[height, width]]), stacklevel=4)
+        u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
+        return self.box(height, width, u)
+
     def __call__(self, img: np.ndarray) -> np.ndarray:
         """The crop of one H x W x C array, resized to ``size`` (a new array)."""
-        self.warn_if_upscaling(np.array([img.shape[:2]]))
-        u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
-        box = self.box(*img.shape[:2], u)
+        box = self.draw(*img.shape[:2])
         return resized_crop(img, box, self.size, self.interpolation, antialias=self.antialias)
+
+    def crop_planes(
+        self, y: np.ndarray, cb: np.ndarray, cr: np.ndarray, color: str = "rgb"
+    ) -> np.ndarray:
+        """What ``__call__`` returns for the image of I420 planes (``pixels``), in ``color``,
+        converting only the box: the same pixels, drawn the same way."""
+        height, width = y.shape
+        box = self.draw(height, width)
+        out = np.empty((*self.size, 3), np.uint8)
+
+        def resize(src: np.ndarray, dst: np.ndarray) -> None:
+            resize_into(torch.from_numpy(src), torch.from_numpy(dst), *self.kernel)
+
+        px.crop_into(y, cb, cr, box, (height, width), out, resize, px.thread_buffer, color)
+        return out
 
 
 class RandomResizedCrop(_Crop):
@@ -303,6 +324,19 @@ class Compose:
         for t in self.transforms:
             x = t(x)
         return x
+
+
+def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:
+    """``(crop, the rest)`` when ``transform`` is, or is a ``Compose`` beginning with, one of
+    this module's crops, else ``(None, transform)``: a dataset of I420 records then converts
+    only the crop's box (``crop_planes``), not the whole image."""
+    if isinstance(transform, _Crop):
+        return transform, None
+    if isinstance(transform, Compose) and transform.transforms:
+        first, *rest = transform.transforms
+        if isinstance(first, _Crop):
+            return first, Compose(rest) if rest else None
+    return None, transform
 
 
 def resized_crop(

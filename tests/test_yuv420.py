@@ -293,9 +293,9 @@ def test_a_window_converts_to_the_same_pixels_as_the_whole_record():
         for _ in range(20):
             top, left = int(rng.integers(0, h)), int(rng.integers(0, w))
             bh, bw = int(rng.integers(1, h - top + 1)), int(rng.integers(1, w - left + 1))
-            ycc = px.ycc_window(*px.planes(record), (top, left, bh, bw), (h, w),
-                                lambda name, n: np.empty(n, np.uint8))  # fmt: skip
-            rgb = cv2.cvtColor(ycc, cv2.COLOR_YCrCb2RGB)
+            box = (top, left, bh, bw)
+            rgb = px.converted_window(*px.planes(record), box, (h, w), "rgb",
+                                      lambda name, n: np.empty(n, np.uint8))  # fmt: skip
             assert np.array_equal(rgb, whole[top : top + bh, left : left + bw]), (h, w, top, left)
 
 
@@ -356,3 +356,17 @@ def test_an_i420_epoch_resumes_from_its_state_dict(photos):
     resumed = make()
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b.clone()) for a, (b, _) in zip(rest, resumed, strict=True))
+
+
+@pytest.mark.parametrize("leading", ["crop", "compose"])
+def test_a_dataset_crop_of_i420_records_equals_the_crop_of_the_converted_image(photos, leading):
+    # Under one of mmcache's crops the dataset converts only the box: the same pixels, drawn
+    # from the same generator as cropping the converted image.
+    crop = RandomResizedCrop(24)
+    transform = crop if leading == "crop" else mmcache.Compose([crop, torch.from_numpy])
+    ds = MemmapImageDataset(photos.cache, transform=transform)
+    for i in range(len(ds)):
+        torch.manual_seed(i)
+        got = np.asarray(ds[i][0])
+        torch.manual_seed(i)
+        assert np.array_equal(got, crop(photos.read(i))), i
