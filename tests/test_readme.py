@@ -250,7 +250,7 @@ def test_the_cheap_commands_of_each_file_run_in_order(doc, photos):
 # code: those that run, with the code that runs before each (in a folder with data/train and
 # data/val) ...
 PYTHON_RUN = {
-    ("README.md", 'with open("cache/manifest.json") as f:'): (
+    ("format.md", 'with open("cache/manifest.json") as f:'): (
         "import json\nimport numpy as np\ni = 3\n"
         'mmcache.build_cache("data/train", "cache", workers=0)'
     ),
@@ -273,8 +273,6 @@ CUDA = "needs a CUDA device"
 PYTHON_NOT_RUN = {
     ("README.md", "import torch"): "test_the_quickstart_runs_as_written_on_mixed_size_photos",
     ("README.md", "import mmcache"): "run by test_the_training_recipe_runs_as_written",
-    ("README.md", 'dataset = torchvision.datasets.ImageFolder("data'): TORCHVISION,
-    ("README.md", 'ds = mmcache.MemmapImageDataset("cache/train")  #'): CUDA,
     ("lazy.md", 'dataset = torchvision.datasets.ImageFolder("data'): TORCHVISION,
     ("loader.md", "import mmcache"): CUDA,
     ("residency.md", "from torch.utils.data import DataLoader"): (
