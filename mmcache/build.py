@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from . import _writer as writer
+from ._compact import compact
 from ._workers import DecodePool, decode_records
 from .decode import Options
 from .reports import BuildReport, ProgressFn
@@ -185,7 +186,7 @@ def compact_cache(cache: str | os.PathLike) -> BuildReport:
         CacheNotFoundError, CacheFormatError: no cache there, or a damaged one.
         InsufficientSpaceError: the disk lacks room for the compact data file.
     """
-    return writer.compact(cache)
+    return compact(cache)
 
 
 def _build_here(request: writer.BuildRequest) -> BuildReport:
