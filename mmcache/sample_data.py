@@ -292,32 +292,7 @@ def _render(
     amp = canvas.amp
     amp.fill(rng.uniform(*_MID_AMP))
 
-    side = min(sw, sh)
-    for _ in range(int(rng.integers(3, 9))):
-        if kind_bias is not None and rng.random() < 0.6:
-            kind = kind_bias
-        else:
-            kind = int(rng.integers(0, _KINDS))
-        r = side * rng.uniform(0.08, 0.45)
-        cx, cy = rng.uniform(-0.1, 1.1) * sw, rng.uniform(-0.1, 1.1) * sh
-        # Soft edges on about half the shapes (defocus); the others keep the ~2 px upsampling
-        # edge, the sharpest a photograph normally has.
-        sigma = r * rng.uniform(0.02, 0.15) if rng.random() < 0.5 else 0.0
-        pad = r * 1.05 + 3 * sigma + 2
-        x0, x1 = max(0, math.floor(cx - pad)), min(sw, math.ceil(cx + pad))
-        y0, y1 = max(0, math.floor(cy - pad)), min(sh, math.ceil(cy + pad))
-        if x0 >= x1 or y0 >= y1:
-            continue
-        mask = _shape_mask(rng, kind, x1 - x0, y1 - y0, cx - x0, cy - y0, r, sigma)
-        # Shading: the colour times a random brightness at each corner, bilinearly spread, as
-        # from light falling unevenly on the shape. A 2x2 resize is ~10x cheaper than a ramp
-        # computed per pixel in numpy.
-        corners = rng.uniform(0.6, 1.3, (2, 2, 1)).astype(np.float32) * _colour(rng, hue)
-        target = cv2.resize(corners, (x1 - x0, y1 - y0), interpolation=cv2.INTER_LINEAR)
-        roi = scene[y0:y1, x0:x1]
-        roi[...] = cv2.blendLinear(target.reshape(roi.shape), roi, mask, 1.0 - mask)
-        aroi = amp[y0:y1, x0:x1]
-        aroi += mask * (np.float32(rng.uniform(*_MID_AMP)) - aroi)
+    _draw_shapes(rng, scene, amp, hue, kind_bias)
 
     # Illumination: a random 2x2 brightness field (light from one side) times a vignette.
     light = rng.uniform(0.65, 1.2, (2, 2)).astype(np.float32)
@@ -351,6 +326,44 @@ def _render(
         # Rounds and saturates to 0-255 in the same pass.
         cv2.multiply(full[y:y1], mod3.reshape(y1 - y, width, 3), dst=out[y:y1], dtype=cv2.CV_8U)
     return out
+
+
+def _draw_shapes(
+    rng: np.random.Generator,
+    scene: np.ndarray,
+    amp: np.ndarray,
+    hue: float,
+    kind_bias: int | None,
+) -> None:
+    """Draw 3 to 8 shaded shapes into ``scene`` (sh x sw x 3 float32), each with its texture
+    strength in ``amp`` (sh x sw); ``hue`` and ``kind_bias`` as ``_render``'s."""
+    sh, sw = amp.shape
+    side = min(sw, sh)
+    for _ in range(int(rng.integers(3, 9))):
+        if kind_bias is not None and rng.random() < 0.6:
+            kind = kind_bias
+        else:
+            kind = int(rng.integers(0, _KINDS))
+        r = side * rng.uniform(0.08, 0.45)
+        cx, cy = rng.uniform(-0.1, 1.1) * sw, rng.uniform(-0.1, 1.1) * sh
+        # Soft edges on about half the shapes (defocus); the others keep the ~2 px upsampling
+        # edge, the sharpest a photograph normally has.
+        sigma = r * rng.uniform(0.02, 0.15) if rng.random() < 0.5 else 0.0
+        pad = r * 1.05 + 3 * sigma + 2
+        x0, x1 = max(0, math.floor(cx - pad)), min(sw, math.ceil(cx + pad))
+        y0, y1 = max(0, math.floor(cy - pad)), min(sh, math.ceil(cy + pad))
+        if x0 >= x1 or y0 >= y1:
+            continue
+        mask = _shape_mask(rng, kind, x1 - x0, y1 - y0, cx - x0, cy - y0, r, sigma)
+        # Shading: the colour times a random brightness at each corner, bilinearly spread, as
+        # from light falling unevenly on the shape. A 2x2 resize is ~10x cheaper than a ramp
+        # computed per pixel in numpy.
+        corners = rng.uniform(0.6, 1.3, (2, 2, 1)).astype(np.float32) * _colour(rng, hue)
+        target = cv2.resize(corners, (x1 - x0, y1 - y0), interpolation=cv2.INTER_LINEAR)
+        roi = scene[y0:y1, x0:x1]
+        roi[...] = cv2.blendLinear(target.reshape(roi.shape), roi, mask, 1.0 - mask)
+        aroi = amp[y0:y1, x0:x1]
+        aroi += mask * (np.float32(rng.uniform(*_MID_AMP)) - aroi)
 
 
 def _check_size(width: int, height: int) -> None:
