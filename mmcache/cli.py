@@ -120,6 +120,12 @@ def _size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{e}{hint}") from None
 
 
+def _height_width(text: str) -> tuple[int, int]:
+    """argparse type of ``--image-size WxH``: the Python API's (height, width)."""
+    width, height = _size(text)
+    return height, width
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -471,8 +477,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="mmcache-demo-")
     print(
-        f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[0]}x"
-        f"{args.image_size[1]} in {_one_line(workdir)}, {args.epochs} epochs, "
+        f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[1]}x"
+        f"{args.image_size[0]} in {_one_line(workdir)}, {args.epochs} epochs, "
         f"batch {args.batch_size}, {args.workers} DataLoader workers"
     )
     bar = _Progress("building cache")
@@ -851,8 +857,8 @@ def _add_demo(cmds: _Commands) -> None:
     )
     d.add_argument(
         "--image-size",
-        type=_size,
-        default=(720, 480),
+        type=_height_width,
+        default=(480, 720),  # (height, width), as run_demo takes it
         metavar="WxH",
         help="their size (default 720x480)",
     )

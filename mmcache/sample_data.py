@@ -366,13 +366,15 @@ def _draw_shapes(
         aroi += mask * (np.float32(rng.uniform(*_MID_AMP)) - aroi)
 
 
-def _check_size(width: int, height: int) -> None:
+def _check_size(height: int, width: int) -> None:
     if width < 1 or height < 1:
-        raise ValueError(f"image size must be at least 1x1, got {width}x{height}")
+        raise ValueError(
+            f"image size must be at least 1x1, got (height, width) = ({height}, {width})"
+        )
 
 
 def make_photo(
-    rng: np.random.Generator, width: int, height: int, *, hue: float | None = None
+    rng: np.random.Generator, height: int, width: int, *, hue: float | None = None
 ) -> np.ndarray:
     """Make one photo-like image.
 
@@ -381,8 +383,8 @@ def make_photo(
 
     Args:
         rng: Source of randomness; the image is a function of its state.
-        width: Image width in pixels, at least 1.
         height: Image height in pixels, at least 1.
+        width: Image width in pixels, at least 1.
         hue: Dominant hue in degrees (0 red, 120 green, 240 blue); random if None.
 
     Returns:
@@ -391,8 +393,8 @@ def make_photo(
     Raises:
         ValueError: If width or height is below 1.
     """
-    width, height = int(width), int(height)
-    _check_size(width, height)
+    height, width = int(height), int(width)
+    _check_size(height, width)
     canvas = _Canvas.create(rng, width, height)
     if hue is None:
         hue = rng.uniform(0.0, 360.0)
@@ -404,7 +406,7 @@ def make_image_folder(
     *,
     classes: int = 4,
     per_class: int = 50,
-    size: tuple[int, int] = (720, 480),
+    size: tuple[int, int] = (480, 720),
     quality: int = 90,
     seed: int = 0,
     ext: str = ".jpg",
@@ -424,7 +426,7 @@ def make_image_folder(
         root: Folder to write into; created if missing.
         classes: Number of class folders, at least 1.
         per_class: Images per class, at least 1.
-        size: Image size as (width, height), each at least 1.
+        size: Image size as (height, width), as torchvision's sizes, each at least 1.
         quality: JPEG quality 0-100; ignored for PNG.
         seed: Non-negative random seed.
         ext: ``".jpg"``, ``".jpeg"`` or ``".png"`` (any case).
@@ -435,8 +437,8 @@ def make_image_folder(
     Raises:
         ValueError: If an argument is out of range or ext is not supported.
     """
-    width, height = (int(v) for v in size)
-    _check_size(width, height)
+    height, width = (int(v) for v in size)
+    _check_size(height, width)
     if classes < 1 or per_class < 1:
         raise ValueError(f"classes and per_class must be at least 1, got {classes}, {per_class}")
     if not 0 <= quality <= 100:
