@@ -324,14 +324,15 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     m = _load_manifest_json(folder, mpath)
     version = _check_version(m, mpath)
     checksums = _check_manifest_checksum(m, version, mpath)
-    gen = m.get("generation")
+    # Values from the file: Any until each is checked.
+    gen: Any = m.get("generation")
     expect(isinstance(gen, str) and len(gen) == 16 and is_hex(gen), mpath, "bad generation id")
-    count = m.get("count")
+    count: Any = m.get("count")
     expect(is_int(count, 0, 1 << 40), mpath, f"bad count {count!r}")
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the version-1 layout")
     data_gen, sizes = _check_files(m, gen, count, version, mpath)
-    mode = m.get("mode")
+    mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
     classes = _check_classes(m.get("classes"), count, mpath)
     for key in ("source", "options", "fingerprints", "decoder"):
@@ -393,7 +394,7 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
 def _check_version(m: dict[str, Any], mpath: Path) -> tuple[int, int]:
     """The magic, and a format version whose major this reader knows."""
     expect(m.get("magic") == MAGIC, mpath, f"magic is {m.get('magic')!r}, expected {MAGIC!r}")
-    version = m.get("format_version")
+    version: Any = m.get("format_version")
     expect(
         isinstance(version, list)
         and len(version) == 2
@@ -415,7 +416,7 @@ def _check_files(
     m: dict[str, Any], gen: str, count: int, version: tuple[int, int], mpath: Path
 ) -> tuple[str, dict[str, int]]:
     """The generation whose data file holds the records, and the four files' sizes."""
-    files = m.get("files")
+    files: Any = m.get("files")
     expect(
         isinstance(files, dict)
         and set(files) == set(FILE_KINDS)
@@ -425,13 +426,13 @@ def _check_files(
     )
     data_gen = _data_generation(files["data"])
     # 1.x: the data file is the generation's own; 2.x: it may be an earlier generation's.
-    expect(
-        data_gen is not None and (version[0] >= 2 or data_gen == gen),
-        mpath,
-        f"data file name {files['data']!r} is not data-<16 hex digits>.bin"
-        + ("" if version[0] >= 2 else " of this generation"),
-    )
-    sizes = m.get("sizes")
+    if data_gen is None or (version[0] < 2 and data_gen != gen):
+        raise fail(
+            mpath,
+            f"data file name {files['data']!r} is not data-<16 hex digits>.bin"
+            + ("" if version[0] >= 2 else " of this generation"),
+        )
+    sizes: Any = m.get("sizes")
     expect(
         isinstance(sizes, dict)
         and set(sizes) == set(FILE_KINDS)
