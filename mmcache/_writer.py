@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -27,10 +26,9 @@ from . import _generation as generation
 from . import format as fmt
 from . import pixels as px
 from ._feedback import human_bytes
-from ._files import copy_range, create_data_file, extend_data_file, write_pixels
+from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
     found_bad,
-    garbage_bytes,
     index_records,
     live_bytes,
     new_generation,
@@ -343,20 +341,12 @@ def allocate(s: Session) -> Generation:
         messages.setdefault(i, _too_large(listing, i, request.options))
     gen = new_generation()
     g = Generation(
-        folder=s.folder,
-        gen=gen,
-        listing=listing,
-        layout=layout,
-        state=state,
-        crcs=crcs,
-        messages=messages,
-        overflow={},
-        reused=0,
-        todo=[],
+        folder=s.folder, gen=gen, listing=listing, layout=layout, state=state, crcs=crcs,
+        messages=messages, overflow={}, reused=0, todo=[],
         data_gen=previous.manifest.data_generation if appending else gen,
         appended_after=previous.manifest.sizes["data"] if appending else None,
         compaction_deferred=deferred,
-    )
+    )  # fmt: skip
     # Before anything is written: the bytes this generation adds, while the old one stays.
     new_bytes = layout.data_bytes - (g.appended_after or 0)
     records = [listing.paths[i] for i in np.flatnonzero(state == fmt.EMPTY)]
@@ -393,7 +383,6 @@ def discarded_on_failure(g: Generation) -> AbstractContextManager[None]:
 def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     """Check strictness, place overflow records, write and flush the generation's files."""
     listing, layout, state = g.listing, g.layout, g.state
-    strict = s.request.strict
     # A lazy cache keeps its EMPTY records: filling them is the readers' job.
     kept = (state == fmt.FILLED) | ((state == fmt.EMPTY) if s.lazy else False)
     keep = np.flatnonzero(kept)
@@ -407,25 +396,8 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         }
         for i in np.flatnonzero(~kept)
     ]
-    if skipped and (strict or not len(keep)):
-        names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
-        more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-        if strict:
-            truncated = sum(e["state"] == fmt.BAD_TRUNCATED for e in skipped)
-            keep = ""
-            if truncated:  # (a cache there has other options then: it takes --replace too)
-                also = " with --replace (replace=True)" if s.previous is not None else ""
-                keep = (
-                    f"; {truncated} of them truncated, which --keep-truncated "
-                    f"(keep_truncated=True){also} keeps"
-                )
-            raise StrictBuildError(
-                f"{listing.root}: {len(skipped)} file(s) could not be cached: {names}{more}{keep}"
-            )
-        raise SourceError(
-            f"{listing.root}: none of its {len(skipped):,} images could be cached, so nothing "
-            f"was published: {names}{more}"
-        )
+    if skipped and (s.request.strict or not len(keep)):
+        raise _refusal(skipped, s)
     offsets, data_bytes = layout.offsets.copy(), layout.data_bytes
     if g.overflow:
         data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
@@ -466,6 +438,46 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     trusted = carried_trust(previous.manifest, s.wanted, s.current) if g.reused else None
     if trusted is not None:
         manifest.extra["trusted_decoder"] = trusted
+    report = _finish_report(g, s, keep, offsets, data_bytes, sizes, skipped, warnings)
+    return manifest, report
+
+
+def _refusal(skipped: list[dict[str, Any]], s: Session) -> StrictBuildError | SourceError:
+    """Why a build that left out ``skipped`` publishes nothing: it is strict, or nothing is left."""
+    root = s.listing.root
+    names = "; ".join(f"{e['path']}: {e['reason']}" for e in skipped[:5])
+    more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+    if not s.request.strict:
+        return SourceError(
+            f"{root}: none of its {len(skipped):,} images could be cached, so nothing "
+            f"was published: {names}{more}"
+        )
+    truncated = sum(e["state"] == fmt.BAD_TRUNCATED for e in skipped)
+    keep = ""
+    if truncated:  # (a cache there has other options then: it takes --replace too)
+        also = " with --replace (replace=True)" if s.previous is not None else ""
+        keep = (
+            f"; {truncated} of them truncated, which --keep-truncated "
+            f"(keep_truncated=True){also} keeps"
+        )
+    return StrictBuildError(
+        f"{root}: {len(skipped)} file(s) could not be cached: {names}{more}{keep}"
+    )
+
+
+def _finish_report(
+    g: Generation,
+    s: Session,
+    keep: np.ndarray,
+    offsets: np.ndarray,
+    data_bytes: int,
+    sizes: dict[str, int],
+    skipped: list[dict[str, Any]],
+    warnings: list[dict[str, str]],
+) -> BuildReport:
+    """The report of a build that keeps the records ``keep`` of ``g`` at ``offsets`` in a data
+    file of ``data_bytes``: what it decoded, reused, dropped, wrote, left out and warns of."""
+    listing, layout, state, previous = g.listing, g.layout, g.state, s.previous
     had_pixels = removed = changed = 0
     if previous is not None:
         filled = previous.state["state"] == fmt.FILLED
@@ -476,7 +488,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
     live = live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
-    report = new_report(
+    return new_report(
         g.folder,
         state[keep],  # every FILLED record is kept
         len(listing.classes),
@@ -496,7 +508,6 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         skipped=skipped,
         warnings=warnings,
     )
-    return manifest, report
 
 
 def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
@@ -541,26 +552,9 @@ def redecode(
         options = Options.from_json(m.options)
     except (TypeError, ValueError) as e:
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
-    listing = Listing(
-        root=Path(m.source["root"]),
-        kind=m.source.get("kind", "folder"),
-        list_file=None,
-        classes=list(m.classes),
-        paths=[files.path(i) for i in range(n)],
-        labels=files.index["label"].astype(np.int64),
-        sizes=files.index["source_size"].astype(np.int64),
-        mtimes=files.index["source_mtime_ns"].astype(np.int64),
-    )
-    shapes = fmt.record_shapes(files.index)
-    offsets = files.index["offset"].astype(np.uint64)
-    # The records to decode go after the current records, each on its own aligned start.
-    start = aligned(m.sizes["data"])
-    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
-    offsets[todo] = moved + np.uint64(start)
-    layout = Layout(shapes, offsets, start + end,
-                    files.state["state"].copy(), np.zeros(n, np.int64), m.pixels)  # fmt: skip
+    layout, start = _layout_after(files, todo)
     g = Generation(
-        folder=m.path, gen=new_generation(), listing=listing, layout=layout,
+        folder=m.path, gen=new_generation(), listing=_recorded_listing(files), layout=layout,
         state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
         overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
         appended_after=m.sizes["data"],
@@ -600,6 +594,35 @@ def redecode(
     except _NothingRepaired:
         pass
     return failed
+
+
+def _recorded_listing(files: fmt.CacheFiles) -> Listing:
+    """The listing a cache's records were made from, as its manifest and index record it."""
+    m, n = files.manifest, len(files.index)
+    return Listing(
+        root=Path(m.source["root"]),
+        kind=m.source.get("kind", "folder"),
+        list_file=None,
+        classes=list(m.classes),
+        paths=[files.path(i) for i in range(n)],
+        labels=files.index["label"].astype(np.int64),
+        sizes=files.index["source_size"].astype(np.int64),
+        mtimes=files.index["source_mtime_ns"].astype(np.int64),
+    )
+
+
+def _layout_after(files: fmt.CacheFiles, todo: list[int]) -> tuple[Layout, int]:
+    """The cache's layout with the records ``todo`` moved after the current records, each on its
+    own aligned start; and where the first of them starts."""
+    m, n = files.manifest, len(files.index)
+    shapes = fmt.record_shapes(files.index)
+    offsets = files.index["offset"].astype(np.uint64)
+    start = aligned(m.sizes["data"])
+    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
+    offsets[todo] = moved + np.uint64(start)
+    layout = Layout(shapes, offsets, start + end,
+                    files.state["state"].copy(), np.zeros(n, np.int64), m.pixels)  # fmt: skip
+    return layout, start
 
 
 def _garbage_share(layout: Layout) -> float:
@@ -643,68 +666,3 @@ def _append_overflow(
     finally:
         os.close(fd)
     return data_bytes
-
-
-def compact(cache: str | os.PathLike) -> BuildReport:
-    """Write the cache's current records into a data file of their own, in index order, with
-    no garbage between them, and publish that as a new generation (``compact_cache``)."""
-    start = time.perf_counter()
-    folder = Path(cache).expanduser().absolute()
-    fmt.read_manifest(folder)  # no cache there: its error, before anything else
-    with writer_lock(folder):
-        files = fmt.read_cache_files(fmt.read_manifest(folder))
-        remove_stale_generations(folder, files)
-        m = files.manifest
-        nbytes = fmt.record_nbytes(files.index, m.pixels)
-        offsets, data_bytes = layout_offsets(nbytes)
-        gen = new_generation()
-        sizes = {**m.sizes, "data": data_bytes}
-        check_free_space(
-            folder,
-            disk_bytes(sizes),
-            advice="free some space there; the cache is unchanged (a compaction writes the "
-            "compact data file beside the current one)",
-        )
-        with generation.discarded_on_failure(
-            folder, gen, "nothing was published; the cache is intact"
-        ):
-            create_data_file(folder / fmt.file_name("data", gen), data_bytes)
-            copied = _copy_filled(files, offsets, folder / fmt.file_name("data", gen))
-            index = files.index.copy()
-            index["offset"] = offsets
-            sizes = write_generation(
-                folder, gen, index, files.state.copy(), files.paths_blob, data_bytes
-            )
-            extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,
-                                       "sizes": sizes, "extra": extra})  # fmt: skip
-            write_manifest(manifest)
-        retire(m, manifest)
-    codes = files.state["state"]
-    return new_report(
-        folder,
-        codes,
-        len(m.classes),
-        sizes,
-        copied,
-        seconds=time.perf_counter() - start,
-        garbage_bytes=data_bytes - live_bytes(offsets, nbytes, data_bytes),
-        dropped_garbage=garbage_bytes(files),
-        skipped=list(m.skipped),
-    )
-
-
-def _copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) -> int:
-    """Copy each FILLED record of ``files`` to its new offset in ``data_path``; bytes copied."""
-    filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
-    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
-    src = os.open(files.manifest.file("data"), os.O_RDONLY)
-    dst = os.open(data_path, os.O_WRONLY)
-    try:
-        for i in filled.tolist():
-            copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
-        os.fsync(dst)
-    finally:
-        os.close(src)
-        os.close(dst)
-    return int(nbytes[filled].sum())

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from . import _writer as writer
+from ._compact import compact
 from ._workers import DecodePool, decode_records
 from .decode import Options
 from .reports import BuildReport, ProgressFn
@@ -68,31 +69,25 @@ def build_cache(
         progress: called as ``progress(done, total)`` while decoding (in a distributed build,
             for this rank's share).
         force: start even when the destination lacks the free space the cache needs.
-        trust_decoder: keep a cache made by another decoder version (its pixels may differ
-            slightly from what this machine decodes) instead of decoding everything again, and
-            record that choice in its manifest as ``"trusted_decoder"``.
+        trust_decoder: keep a cache made by another decoder version (whose pixels may differ
+            slightly) rather than decode it all again, recording that in its manifest.
         replace: rebuild a cache made from another source or with other preprocessing options;
             without it such a build raises ``SourceChangedError`` naming both sources, or
             ``OptionsChangedError`` naming the options, and changes nothing.
         source_moved: accept a cache made from another folder (or list file) as this source's:
             the same images moved there. The new source is recorded; files found unchanged
             (same relative path, size and mtime) keep their records, the others are decoded.
-        compact_at: when a refresh would leave more than this share of the data file to
-            records no longer used (files removed or replaced), write a compact data file
-            instead of appending (see ``compact_cache``).
-        distributed: build with every rank of the initialised ``torch.distributed`` process
-            group (see ``mmcache.distributed``); every rank must then call ``build_cache`` with
-            the same arguments, and every rank gets the same report or error. ``None`` (the
-            default) does so when a group of more than one process is initialised.
+        compact_at: past this share of the data file left to unused records (of removed or
+            replaced files), a refresh writes a compact data file instead (``compact_cache``).
+        distributed: build with every rank of the initialised ``torch.distributed`` group
+            (``mmcache.distributed``), each calling ``build_cache`` with the same arguments and
+            getting the same report or error; ``None``: if the group has over one process.
         dist_timeout: in a distributed build, seconds a rank waits for the others at each step
             (rank 0 planning, the slowest share) before the build fails.
-        **options: the preprocessing, fields of ``Options``: ``size=(height, width)``, or
-            ``max_side`` / ``short_side`` to bound a side keeping the aspect ratio (never
-            upscaling); ``interpolation`` (``"auto"``: INTER_AREA to shrink, or OpenCV's
-            ``"area"``, ``"bilinear"``, ``"bicubic"``, ``"lanczos"``, ``"nearest"``); ``color``
-            (``"rgb"``, ``"bgr"``, ``"gray"``); ``max_pixels`` (refuse larger images without
-            decoding them; default Pillow's bomb limit); ``reduced_decode``. Default: native
-            size, RGB.
+        **options: the preprocessing, the fields of ``Options`` (which says what each does):
+            ``size=(height, width)`` or ``max_side`` or ``short_side``, ``interpolation``,
+            ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``, ``keep_truncated``.
+            Default: native size, RGB.
 
     Example:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
@@ -108,10 +103,8 @@ def build_cache(
         StrictBuildError: ``strict`` and a file could not be decoded (nothing is published).
         InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
         DistributedBuildError: a rank of a distributed build failed or timed out.
-        DecodeWorkerError: the decode worker processes could not run (they die at start, or on
-            every file).
-        TypeError: an unknown preprocessing option.
-        ValueError: an invalid preprocessing option.
+        DecodeWorkerError: the decode workers could not run (they die at start, or on each file).
+        TypeError, ValueError: an unknown or an invalid preprocessing option.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
@@ -154,13 +147,8 @@ def create_lazy_cache(
         >>> report.pending  # doctest: +SKIP
 
     Raises:
-        SourceError: no source, or no image of it could be cached (nothing is published).
-        SourceChangedError: the cache there was built from another source, and neither
-            ``replace`` nor ``source_moved`` is True.
-        OptionsChangedError: the cache there has other options, and ``replace`` is False.
-        NotACacheError: a file, or a folder of other things, is where the cache would go.
-        DestinationError: the cache folder cannot be created or written.
-        InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
+        SourceError, SourceChangedError, OptionsChangedError: as ``build_cache``.
+        NotACacheError, DestinationError, InsufficientSpaceError: as ``build_cache``.
     """
     request = writer.BuildRequest(
         source, cache, Options(**options), workers=workers, progress=progress, force=force,
@@ -185,7 +173,7 @@ def compact_cache(cache: str | os.PathLike) -> BuildReport:
         CacheNotFoundError, CacheFormatError: no cache there, or a damaged one.
         InsufficientSpaceError: the disk lacks room for the compact data file.
     """
-    return writer.compact(cache)
+    return compact(cache)
 
 
 def _build_here(request: writer.BuildRequest) -> BuildReport:

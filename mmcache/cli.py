@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from typing import Any
 
 from ._feedback import count, human_bytes
 from ._interpolation import RENAMED
@@ -117,6 +118,12 @@ def _size(text: str) -> tuple[int, int]:
             n = text.strip()
             hint = f"; for a square write {n}x{n}, to keep the aspect ratio use --short-side {n}"
         raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
+def _height_width(text: str) -> tuple[int, int]:
+    """argparse type of ``--image-size WxH``: the Python API's (height, width)."""
+    width, height = _size(text)
+    return height, width
 
 
 def _positive(text: str) -> int:
@@ -470,8 +477,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="mmcache-demo-")
     print(
-        f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[0]}x"
-        f"{args.image_size[1]} in {_one_line(workdir)}, {args.epochs} epochs, "
+        f"mmcache demo: {args.images} photo-like JPEGs of {args.image_size[1]}x"
+        f"{args.image_size[0]} in {_one_line(workdir)}, {args.epochs} epochs, "
         f"batch {args.batch_size}, {args.workers} DataLoader workers"
     )
     bar = _Progress("building cache")
@@ -704,25 +711,46 @@ def _parser() -> argparse.ArgumentParser:
         description="Decode images once into a memory-mapped cache; train from it with PyTorch.",
     )
     p.add_argument("--version", action="version", version=f"mmcache {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    quiet = argparse.ArgumentParser(add_help=False)
-    quiet.add_argument(
-        "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
-    )
+    cmds = _Commands(p.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    _add_build(cmds)
+    _add_verify(cmds)
+    _add_copy_and_plan(cmds)
+    _add_demo(cmds)
+    _add_cache_tools(cmds)
+    return p
 
-    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+
+class _Commands:
+    """Adds the subcommands to the parser: each with its help, some with the shared ``-q``."""
+
+    def __init__(self, sub: Any) -> None:  # (argparse's type for it is private)
+        self.sub = sub
+        self.quiet = argparse.ArgumentParser(add_help=False)
+        self.quiet.add_argument(
+            "-q", "--quiet", action="store_true", help="print nothing but errors (no progress bars)"
+        )
+
+    def command(self, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
         """A subcommand; its one-line help in the list is also the first line of its --help."""
         description = f"{help[0].upper()}{help[1:]}."
-        return sub.add_parser(name, help=help, description=description, **kwargs)
+        return self.sub.add_parser(name, help=help, description=description, **kwargs)
 
-    def cache_command(name: str, func, help: str, quiet_flag: bool = True):
+    def cache_command(
+        self,
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help: str,
+        quiet_flag: bool = True,
+    ) -> argparse.ArgumentParser:
         """A subcommand whose first argument is a cache folder."""
-        cmd = command(name, help, parents=[quiet] if quiet_flag else [])
+        cmd = self.command(name, help, parents=[self.quiet] if quiet_flag else [])
         cmd.add_argument("cache", help="the cache folder")
         cmd.set_defaults(func=func, quiet=False)
         return cmd
 
-    b = command("build", "decode a source folder or list into a cache", parents=[quiet])
+
+def _add_build(cmds: _Commands) -> None:
+    b = cmds.command("build", "decode a source folder or list into a cache", parents=[cmds.quiet])
     b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     b.add_argument("cache", help="cache folder to create or update")
     _add_preprocessing(b)
@@ -777,7 +805,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=_cmd_build)
 
-    v = cache_command(
+
+def _add_verify(cmds: _Commands) -> None:
+    v = cmds.cache_command(
         "verify", _cmd_verify, "check every record's checksum (and pixels vs the source)"
     )
     v.add_argument(
@@ -802,27 +832,33 @@ def _parser() -> argparse.ArgumentParser:
         help="with --repair: decode processes (default: one per core)",
     )
 
-    c = command(
-        "copy", "copy a cache (to a node's local disk) and verify the copy", parents=[quiet]
+
+def _add_copy_and_plan(cmds: _Commands) -> None:
+    c = cmds.command(
+        "copy", "copy a cache (to a node's local disk) and verify the copy", parents=[cmds.quiet]
     )
     c.add_argument("cache", help="the cache folder to copy")
     c.add_argument("dest", help="the folder to copy it to (created, or a cache it replaces)")
     c.set_defaults(func=_cmd_copy)
 
-    pl = command("plan", "how big a cache would be under each resize policy (reads headers only)")
+    pl = cmds.command(
+        "plan", "how big a cache would be under each resize policy (reads headers only)"
+    )
     pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
     pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
     _add_preprocessing(pl)
     pl.set_defaults(func=_cmd_plan, quiet=False)
 
-    d = command("demo", "generate images, build a cache, compare epoch times")
+
+def _add_demo(cmds: _Commands) -> None:
+    d = cmds.command("demo", "generate images, build a cache, compare epoch times")
     d.add_argument(
         "--images", type=_positive, default=1000, help="images to generate (default 1000)"
     )
     d.add_argument(
         "--image-size",
-        type=_size,
-        default=(720, 480),
+        type=_height_width,
+        default=(480, 720),  # (height, width), as run_demo takes it
         metavar="WxH",
         help="their size (default 720x480)",
     )
@@ -834,12 +870,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", help="keep the images and cache here (default: a temp folder)")
     d.set_defaults(func=_cmd_demo, quiet=False)
 
-    i = cache_command(
+
+def _add_cache_tools(cmds: _Commands) -> None:
+    i = cmds.cache_command(
         "info", _cmd_info, "describe a cache and how much of it is in RAM", quiet_flag=False
     )
     i.add_argument("--json", action="store_true", help="print one JSON object")
 
-    w = cache_command("warm", _cmd_warm, "read a cache into the page cache, within a memory budget")
+    w = cmds.cache_command(
+        "warm", _cmd_warm, "read a cache into the page cache, within a memory budget"
+    )
     w.add_argument(
         "--max-memory",
         type=_budget,
@@ -848,10 +888,10 @@ def _parser() -> argparse.ArgumentParser:
         help="stop before memory used by processes plus the cache would pass this: a share "
         "of RAM (90%%) or a size (8G) (default " + DEFAULT_MAX_MEMORY.replace("%", "%%") + ")",
     )
-    cache_command("compact", _cmd_compact, "drop the garbage refreshes left in a cache's data file")
-    cache_command("evict", _cmd_evict, "drop a cache's pages from the page cache")
-
-    return p
+    cmds.cache_command(
+        "compact", _cmd_compact, "drop the garbage refreshes left in a cache's data file"
+    )
+    cmds.cache_command("evict", _cmd_evict, "drop a cache's pages from the page cache")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,7 +47,10 @@ class DecodingDataset(Dataset):
 
 @dataclass
 class DemoReport:
-    """Timings of one demo run: the build, then seconds per epoch for each way of loading."""
+    """Timings of one demo run: the build, then seconds per epoch for each way of loading.
+
+    ``image_size``: the generated images' (height, width).
+    """
 
     workdir: Path
     images: int
@@ -93,7 +96,7 @@ def run_demo(
     *,
     images: int = 1000,
     classes: int = 4,
-    image_size: tuple[int, int] = (720, 480),
+    image_size: tuple[int, int] = (480, 720),
     epochs: int = 3,
     batch_size: int = 64,
     workers: int = 2,
@@ -102,7 +105,8 @@ def run_demo(
 ) -> DemoReport:
     """Make ``images`` JPEGs under ``workdir/images``, cache them in ``workdir/cache``, then run
     ``epochs`` epochs of each: decoding every image (a DataLoader), the cache in a DataLoader,
-    and the cache through ``BatchLoader`` (all images share one size).
+    and the cache through ``BatchLoader`` (all images share one size, ``image_size``: (height,
+    width)).
 
     Example:
         >>> report = run_demo("/tmp/mmcache-demo", images=200)  # doctest: +SKIP

@@ -292,32 +292,7 @@ def _render(
     amp = canvas.amp
     amp.fill(rng.uniform(*_MID_AMP))
 
-    side = min(sw, sh)
-    for _ in range(int(rng.integers(3, 9))):
-        if kind_bias is not None and rng.random() < 0.6:
-            kind = kind_bias
-        else:
-            kind = int(rng.integers(0, _KINDS))
-        r = side * rng.uniform(0.08, 0.45)
-        cx, cy = rng.uniform(-0.1, 1.1) * sw, rng.uniform(-0.1, 1.1) * sh
-        # Soft edges on about half the shapes (defocus); the others keep the ~2 px upsampling
-        # edge, the sharpest a photograph normally has.
-        sigma = r * rng.uniform(0.02, 0.15) if rng.random() < 0.5 else 0.0
-        pad = r * 1.05 + 3 * sigma + 2
-        x0, x1 = max(0, math.floor(cx - pad)), min(sw, math.ceil(cx + pad))
-        y0, y1 = max(0, math.floor(cy - pad)), min(sh, math.ceil(cy + pad))
-        if x0 >= x1 or y0 >= y1:
-            continue
-        mask = _shape_mask(rng, kind, x1 - x0, y1 - y0, cx - x0, cy - y0, r, sigma)
-        # Shading: the colour times a random brightness at each corner, bilinearly spread, as
-        # from light falling unevenly on the shape. A 2x2 resize is ~10x cheaper than a ramp
-        # computed per pixel in numpy.
-        corners = rng.uniform(0.6, 1.3, (2, 2, 1)).astype(np.float32) * _colour(rng, hue)
-        target = cv2.resize(corners, (x1 - x0, y1 - y0), interpolation=cv2.INTER_LINEAR)
-        roi = scene[y0:y1, x0:x1]
-        roi[...] = cv2.blendLinear(target.reshape(roi.shape), roi, mask, 1.0 - mask)
-        aroi = amp[y0:y1, x0:x1]
-        aroi += mask * (np.float32(rng.uniform(*_MID_AMP)) - aroi)
+    _draw_shapes(rng, scene, amp, hue, kind_bias)
 
     # Illumination: a random 2x2 brightness field (light from one side) times a vignette.
     light = rng.uniform(0.65, 1.2, (2, 2)).astype(np.float32)
@@ -353,13 +328,53 @@ def _render(
     return out
 
 
-def _check_size(width: int, height: int) -> None:
+def _draw_shapes(
+    rng: np.random.Generator,
+    scene: np.ndarray,
+    amp: np.ndarray,
+    hue: float,
+    kind_bias: int | None,
+) -> None:
+    """Draw 3 to 8 shaded shapes into ``scene`` (sh x sw x 3 float32), each with its texture
+    strength in ``amp`` (sh x sw); ``hue`` and ``kind_bias`` as ``_render``'s."""
+    sh, sw = amp.shape
+    side = min(sw, sh)
+    for _ in range(int(rng.integers(3, 9))):
+        if kind_bias is not None and rng.random() < 0.6:
+            kind = kind_bias
+        else:
+            kind = int(rng.integers(0, _KINDS))
+        r = side * rng.uniform(0.08, 0.45)
+        cx, cy = rng.uniform(-0.1, 1.1) * sw, rng.uniform(-0.1, 1.1) * sh
+        # Soft edges on about half the shapes (defocus); the others keep the ~2 px upsampling
+        # edge, the sharpest a photograph normally has.
+        sigma = r * rng.uniform(0.02, 0.15) if rng.random() < 0.5 else 0.0
+        pad = r * 1.05 + 3 * sigma + 2
+        x0, x1 = max(0, math.floor(cx - pad)), min(sw, math.ceil(cx + pad))
+        y0, y1 = max(0, math.floor(cy - pad)), min(sh, math.ceil(cy + pad))
+        if x0 >= x1 or y0 >= y1:
+            continue
+        mask = _shape_mask(rng, kind, x1 - x0, y1 - y0, cx - x0, cy - y0, r, sigma)
+        # Shading: the colour times a random brightness at each corner, bilinearly spread, as
+        # from light falling unevenly on the shape. A 2x2 resize is ~10x cheaper than a ramp
+        # computed per pixel in numpy.
+        corners = rng.uniform(0.6, 1.3, (2, 2, 1)).astype(np.float32) * _colour(rng, hue)
+        target = cv2.resize(corners, (x1 - x0, y1 - y0), interpolation=cv2.INTER_LINEAR)
+        roi = scene[y0:y1, x0:x1]
+        roi[...] = cv2.blendLinear(target.reshape(roi.shape), roi, mask, 1.0 - mask)
+        aroi = amp[y0:y1, x0:x1]
+        aroi += mask * (np.float32(rng.uniform(*_MID_AMP)) - aroi)
+
+
+def _check_size(height: int, width: int) -> None:
     if width < 1 or height < 1:
-        raise ValueError(f"image size must be at least 1x1, got {width}x{height}")
+        raise ValueError(
+            f"image size must be at least 1x1, got (height, width) = ({height}, {width})"
+        )
 
 
 def make_photo(
-    rng: np.random.Generator, width: int, height: int, *, hue: float | None = None
+    rng: np.random.Generator, height: int, width: int, *, hue: float | None = None
 ) -> np.ndarray:
     """Make one photo-like image.
 
@@ -368,8 +383,8 @@ def make_photo(
 
     Args:
         rng: Source of randomness; the image is a function of its state.
-        width: Image width in pixels, at least 1.
         height: Image height in pixels, at least 1.
+        width: Image width in pixels, at least 1.
         hue: Dominant hue in degrees (0 red, 120 green, 240 blue); random if None.
 
     Returns:
@@ -378,8 +393,8 @@ def make_photo(
     Raises:
         ValueError: If width or height is below 1.
     """
-    width, height = int(width), int(height)
-    _check_size(width, height)
+    height, width = int(height), int(width)
+    _check_size(height, width)
     canvas = _Canvas.create(rng, width, height)
     if hue is None:
         hue = rng.uniform(0.0, 360.0)
@@ -391,7 +406,7 @@ def make_image_folder(
     *,
     classes: int = 4,
     per_class: int = 50,
-    size: tuple[int, int] = (720, 480),
+    size: tuple[int, int] = (480, 720),
     quality: int = 90,
     seed: int = 0,
     ext: str = ".jpg",
@@ -411,7 +426,7 @@ def make_image_folder(
         root: Folder to write into; created if missing.
         classes: Number of class folders, at least 1.
         per_class: Images per class, at least 1.
-        size: Image size as (width, height), each at least 1.
+        size: Image size as (height, width), as torchvision's sizes, each at least 1.
         quality: JPEG quality 0-100; ignored for PNG.
         seed: Non-negative random seed.
         ext: ``".jpg"``, ``".jpeg"`` or ``".png"`` (any case).
@@ -422,8 +437,8 @@ def make_image_folder(
     Raises:
         ValueError: If an argument is out of range or ext is not supported.
     """
-    width, height = (int(v) for v in size)
-    _check_size(width, height)
+    height, width = (int(v) for v in size)
+    _check_size(height, width)
     if classes < 1 or per_class < 1:
         raise ValueError(f"classes and per_class must be at least 1, got {classes}, {per_class}")
     if not 0 <= quality <= 100:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
 import pytest
 from conftest import write_image
 
@@ -148,6 +149,10 @@ def test_python_dash_m_and_the_demo(tmp_path):
         assert r.stdout.count(f"{name:<20} epoch") == 2
         assert f"best epoch, {name:<20}" in r.stdout
     assert (tmp_path / "demo" / "cache" / "manifest.json").exists()
+    # --image-size is WxH; the library's image_size is (height, width)
+    assert "photo-like JPEGs of 64x48 in" in r.stdout
+    image = next((tmp_path / "demo" / "images").rglob("*.jpg"))
+    assert cv2.imread(str(image)).shape == (48, 64, 3)
 
 
 def test_reduced_decode_flag_reaches_the_cache(small_folder, tmp_path, capsys):

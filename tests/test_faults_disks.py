@@ -98,7 +98,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_old_cache(source, tmp_path, 
 
 
 def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally, monkeypatch):
-    import mmcache._writer as writer
+    import mmcache._compact as compaction
 
     # 20 files of A, then the same paths as B has them (some rewritten, some gone): a refresh
     # that appends leaves the replaced records as garbage to compact.
@@ -137,7 +137,7 @@ def test_a_full_disk_during_a_compaction_keeps_the_cache(source, tmp_path, tally
         # Past the check (as --force does for a build), to the disk filling up: while copying
         # the records (less room than the live bytes), or writing the index, state, paths or
         # manifest (a little more), or not at all.
-        monkeypatch.setattr(writer, "check_free_space", lambda *args, **kwargs: -1)
+        monkeypatch.setattr(compaction, "check_free_space", lambda *args, **kwargs: -1)
         live = sum(v.nbytes for v in expected.values())
         kib = 1024
         leaves = [0, 64 * kib, live // 2, live - 4 * kib, live + 4 * kib, live + 12 * kib]

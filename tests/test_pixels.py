@@ -154,7 +154,7 @@ def test_reduced_decode_is_explicit_recorded_and_close_to_the_reference(tmp_path
     from mmcache import Options
     from mmcache.sample_data import make_image_folder
 
-    src = make_image_folder(tmp_path / "src", classes=1, per_class=3, size=(720, 480))
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=3, size=(480, 720))
     write_image(src / "class_00" / "lossless.png", 720, 480, seed=5)
     build_cache(src, tmp_path / "exact", max_side=180, workers=1)
     build_cache(src, tmp_path / "fast", max_side=180, reduced_decode=True, workers=1)

@@ -19,7 +19,7 @@ def _files(root: Path) -> list[Path]:
 
 
 def test_layout(tmp_path: Path) -> None:
-    root = make_image_folder(tmp_path / "imgs", classes=3, per_class=4, size=(32, 24))
+    root = make_image_folder(tmp_path / "imgs", classes=3, per_class=4, size=(24, 32))
     assert root == tmp_path / "imgs"
     assert isinstance(root, Path)
     assert sorted(os.listdir(root)) == ["class_00", "class_01", "class_02"]
@@ -34,7 +34,7 @@ def test_names_sort_numerically_with_many_classes(tmp_path: Path) -> None:
 
 
 def test_deterministic_and_seeded(tmp_path: Path) -> None:
-    kwargs = {"classes": 2, "per_class": 3, "size": (96, 64)}
+    kwargs = {"classes": 2, "per_class": 3, "size": (64, 96)}
     a = _files(make_image_folder(tmp_path / "a", seed=7, **kwargs))
     b = _files(make_image_folder(tmp_path / "b", seed=7, **kwargs))
     c = _files(make_image_folder(tmp_path / "c", seed=8, **kwargs))
@@ -47,14 +47,14 @@ def test_deterministic_and_seeded(tmp_path: Path) -> None:
 
 
 def test_image_does_not_depend_on_per_class(tmp_path: Path) -> None:
-    a = make_image_folder(tmp_path / "a", classes=2, per_class=2, size=(40, 30))
-    b = make_image_folder(tmp_path / "b", classes=2, per_class=5, size=(40, 30))
+    a = make_image_folder(tmp_path / "a", classes=2, per_class=2, size=(30, 40))
+    b = make_image_folder(tmp_path / "b", classes=2, per_class=5, size=(30, 40))
     for p in _files(a):
         assert p.read_bytes() == (b / p.relative_to(a)).read_bytes()
 
 
 @pytest.mark.parametrize(
-    "size", [(1, 1), (8, 8), (13, 7), (7, 13), (1, 40), (64, 48), (301, 199), (1999, 1501)]
+    "size", [(1, 1), (8, 8), (7, 13), (13, 7), (40, 1), (48, 64), (199, 301), (1501, 1999)]
 )
 def test_every_file_decodes_to_the_requested_size(tmp_path: Path, size: tuple[int, int]) -> None:
     per_class = 1 if size[0] > 1000 else 2
@@ -64,7 +64,7 @@ def test_every_file_decodes_to_the_requested_size(tmp_path: Path, size: tuple[in
     for p in files:
         img = cv2.imread(str(p), cv2.IMREAD_COLOR)
         assert img is not None, p
-        assert img.shape == (size[1], size[0], 3)
+        assert img.shape == (*size, 3)  # size is (height, width)
         assert img.dtype == np.uint8
 
 
@@ -83,14 +83,14 @@ def test_jpeg_size_is_photo_like(tmp_path: Path) -> None:
 
 
 def test_quality_changes_size(tmp_path: Path) -> None:
-    kwargs = {"classes": 1, "per_class": 2, "size": (160, 120)}
+    kwargs = {"classes": 1, "per_class": 2, "size": (120, 160)}
     lo = _files(make_image_folder(tmp_path / "lo", quality=50, **kwargs))
     hi = _files(make_image_folder(tmp_path / "hi", quality=95, **kwargs))
     assert all(p.stat().st_size < q.stat().st_size for p, q in zip(lo, hi, strict=True))
 
 
 def test_png_holds_the_same_pixels(tmp_path: Path) -> None:
-    kwargs = {"classes": 2, "per_class": 2, "size": (72, 48)}
+    kwargs = {"classes": 2, "per_class": 2, "size": (48, 72)}
     pngs = _files(make_image_folder(tmp_path / "png", ext=".png", **kwargs))
     jpgs = _files(make_image_folder(tmp_path / "jpg", **kwargs))
     assert [p.name for p in pngs] == [f"img_{i:05d}.png" for i in (0, 1)] * 2
@@ -129,7 +129,7 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict) -> None:
 
 def test_classes_have_their_own_hue(tmp_path: Path) -> None:
     # Three classes: hues 0, 120 and 240 degrees, i.e. red, green and blue dominate.
-    root = make_image_folder(tmp_path, classes=3, per_class=6, size=(64, 48))
+    root = make_image_folder(tmp_path, classes=3, per_class=6, size=(48, 64))
     for c, channel in enumerate((2, 1, 0)):  # BGR index of red, green, blue
         imgs = [cv2.imread(str(p)) for p in _files(root / f"class_{c:02d}")]
         means = np.mean([img.reshape(-1, 3).mean(axis=0) for img in imgs], axis=0)
@@ -137,14 +137,14 @@ def test_classes_have_their_own_hue(tmp_path: Path) -> None:
 
 
 def test_make_photo() -> None:
-    img = make_photo(np.random.default_rng(3), 50, 30)
+    img = make_photo(np.random.default_rng(3), 30, 50)  # height, width
     assert img.shape == (30, 50, 3)
     assert img.dtype == np.uint8
-    assert np.array_equal(img, make_photo(np.random.default_rng(3), 50, 30))
-    assert not np.array_equal(img, make_photo(np.random.default_rng(4), 50, 30))
+    assert np.array_equal(img, make_photo(np.random.default_rng(3), 30, 50))
+    assert not np.array_equal(img, make_photo(np.random.default_rng(4), 30, 50))
     assert img.std() > 5  # not flat
     green = np.mean(
-        [make_photo(np.random.default_rng(s), 64, 48, hue=120.0) for s in range(5)], axis=(0, 1, 2)
+        [make_photo(np.random.default_rng(s), 48, 64, hue=120.0) for s in range(5)], axis=(0, 1, 2)
     )
     assert int(np.argmax(green)) == 1
     with pytest.raises(ValueError):

@@ -62,7 +62,7 @@ def main() -> None:
         source = work / "src"
         per_class = max(1, args.images // 10)
         print(f"generating {per_class * 10} images of {args.image_size[0]}x{args.image_size[1]}")
-        make_image_folder(source, classes=10, per_class=per_class, size=args.image_size)
+        make_image_folder(source, classes=10, per_class=per_class, size=args.image_size[::-1])
     extra = ["--short-side", str(args.short_side)] if args.short_side else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     print(f"{os.cpu_count()} cores; source {source}")

@@ -40,7 +40,7 @@ def main() -> int:
             folder,
             classes=args.classes,
             per_class=max(1, args.images // args.classes),
-            size=(96, 64),
+            size=(64, 96),
         )
         seconds = time.perf_counter() - t
         print(f"wrote {args.images:,} JPEGs of 96x64 to {folder} in {seconds:.1f} s")

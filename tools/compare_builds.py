@@ -74,9 +74,9 @@ def sample_source(folder: Path) -> Path:
     sys.path.insert(0, str(REPO))
     from mmcache.sample_data import make_image_folder
 
-    make_image_folder(folder, classes=3, per_class=20, size=(96, 64), seed=7)
+    make_image_folder(folder, classes=3, per_class=20, size=(64, 96), seed=7)
     # mixed sizes: portrait images too, and the real-world files (EXIF, CMYK, 16-bit, broken)
-    make_image_folder(folder / "tall", classes=1, per_class=6, size=(48, 80), seed=8)
+    make_image_folder(folder / "tall", classes=1, per_class=6, size=(80, 48), seed=8)
     for real in (REPO / "tests" / "data" / "testimages", REPO.parent / "shared" / "testimages"):
         if real.is_dir():
             ignore = shutil.ignore_patterns("*.md", "LICENSE*")

@@ -71,7 +71,7 @@ def main() -> int:
     cv2.setNumThreads(1)
     rng = np.random.default_rng(0)
     photos = [
-        cv2.cvtColor(cv2.resize(make_photo(rng, 720, 480), (384, 256),
+        cv2.cvtColor(cv2.resize(make_photo(rng, 480, 720), (384, 256),
                                 interpolation=cv2.INTER_AREA), cv2.COLOR_BGR2RGB)
         for _ in range(args.images)
     ]  # fmt: skip

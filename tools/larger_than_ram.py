@@ -303,7 +303,8 @@ def prepare(workdir: Path, gb: float, yuv420: bool = False) -> dict:
         stamp.unlink(missing_ok=True)
         for k, size in enumerate(SHAPES):
             part = workdir / f"gen-{k}"
-            make_image_folder(part, classes=CLASSES, per_class=per_shape, size=size, seed=k)
+            # SHAPES are (width, height); make_image_folder takes (height, width)
+            make_image_folder(part, classes=CLASSES, per_class=per_shape, size=size[::-1], seed=k)
             for f in sorted(part.rglob("*.jpg")):
                 # src/class_XX/img_NNNNN_k.jpg: the shapes interleave in listing order, as
                 # photos of several shapes do in a real class folder.

@@ -40,7 +40,7 @@ def measure(
     """Seconds per epoch for ``decode every epoch`` and ``mmcache lazy`` (fresh cache)."""
     workdir = Path(workdir)
     source = make_image_folder(
-        workdir / "images", classes=classes, per_class=-(-images // classes), size=image_size
+        workdir / "images", classes=classes, per_class=-(-images // classes), size=image_size[::-1]
     )
     cache = workdir / "lazy-cache"
     shutil.rmtree(cache, ignore_errors=True)  # epoch one must find an empty cache

@@ -97,7 +97,7 @@ def prepare(workdir: Path, images: int, size: tuple[int, int]) -> Path:
     classes = 4
     per_class = -(-images // classes)
     src = make_image_folder(
-        workdir / f"src-{size[0]}x{size[1]}", classes=classes, per_class=per_class, size=size
+        workdir / f"src-{size[0]}x{size[1]}", classes=classes, per_class=per_class, size=size[::-1]
     )
     build_cache(src, cache)
     assert fmt.read_manifest(cache).count == images, "the source folder holds other images"

@@ -134,7 +134,7 @@ def refresh(src: Path, cache: Path, changed: int, record: int) -> dict:
 def stage(staging: Path, n: int, size: tuple[int, int], seed: int) -> list[Path]:
     """``n`` new photo-like JPEGs with pixels of their own (``seed``), to move into the source."""
     shutil.rmtree(staging, ignore_errors=True)
-    make_image_folder(staging, classes=1, per_class=n, size=size, seed=seed)
+    make_image_folder(staging, classes=1, per_class=n, size=size[::-1], seed=seed)  # (h, w)
     return sorted(staging.rglob("*.jpg"))
 
 
@@ -179,7 +179,7 @@ def main() -> None:
     w, h = args.image_size
     record = w * h * 3  # native size, RGB: what build_cache stores by default
     print(f"generating {per_class * 10:,} photo-like JPEGs of {w}x{h} in {src}", flush=True)
-    make_image_folder(src, classes=10, per_class=per_class, size=args.image_size)
+    make_image_folder(src, classes=10, per_class=per_class, size=(h, w))
     files = sorted(src.rglob("*.jpg"))
 
     full = run_step("build", src, cache) | generation(cache)

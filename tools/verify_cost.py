@@ -39,7 +39,10 @@ def main() -> None:
         cache = args.cache
         if cache is None:
             src = make_image_folder(
-                Path(tmp) / "src", classes=4, per_class=args.images // 4, size=args.size
+                Path(tmp) / "src",
+                classes=4,
+                per_class=args.images // 4,
+                size=args.size[::-1],  # (height, width)
             )
             cache = Path(tmp) / "cache"
             build_cache(src, cache)

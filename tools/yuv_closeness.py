@@ -82,7 +82,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         photos = make_image_folder(
-            work / "photos", classes=1, per_class=args.photos, size=(w, h), seed=args.seed
+            work / "photos", classes=1, per_class=args.photos, size=(h, w), seed=args.seed
         )
         sets = {
             f"generated photos ({args.photos}, {w}x{h} JPEG q90)": photos,

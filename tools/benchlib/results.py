@@ -33,7 +33,7 @@ class RunSettings:
         classes = max(1, min(4, self.images))
         return Path(make_image_folder(
             folder, classes=classes, per_class=-(-self.images // classes),
-            size=self.image_size, quality=90, seed=seed,
+            size=self.image_size[::-1], quality=90, seed=seed,  # (height, width)
         ))  # fmt: skip
 
 
