@@ -238,4 +238,4 @@ def _in_process_group(distributed: bool | None) -> bool:
             "distributed=True needs an initialised torch.distributed process group "
             "(run under torchrun and call torch.distributed.init_process_group first)"
         )
-    return active and dist.get_world_size() > 1
+    return active and dist is not None and dist.get_world_size() > 1

@@ -181,6 +181,7 @@ class MemmapImageDataset(Dataset):
                 return fmt.open_cache(self.cache)
             if on_stale != "ignore":
                 listing = scan_source(source)
+        assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
         reason = stale_reason(files, listing)

@@ -159,13 +159,13 @@ class _Channel:
         self.step += 1
 
     def scatter(self, payloads: list | None = None) -> Any:
-        out = [None]
+        out: list[Any] = [None]
         self._run(dist.scatter_object_list, out, payloads, src=0)
         self.decoding = out[0][0] == "go"
         return out[0]
 
     def gather(self, payload: Any) -> list | None:
-        out = [None] * self.world if self.rank == 0 else None
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._run(dist.gather_object, payload, out, dst=0)
         return out
 
@@ -218,6 +218,7 @@ def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
             _decode_share(share[1], channel.rank, request.workers, request.progress)
         )
         decode_seconds = time.perf_counter() - decoding  # the slowest share: every rank's
+        assert replies is not None  # rank 0 gathers every rank's reply
         failures = [message for kind, message in replies if kind == "error"]
         if failures:
             raise DistributedBuildError(f"{'; '.join(failures)}; {_NOTHING_PUBLISHED}")
@@ -234,7 +235,7 @@ def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
     return report
 
 
-def _follow(channel: _Channel, workers: int, progress: ProgressFn | None) -> BuildReport:
+def _follow(channel: _Channel, workers: int | None, progress: ProgressFn | None) -> BuildReport:
     kind, share = channel.scatter()
     if kind == "go":
         channel.gather(_decode_share(share, channel.rank, workers, progress))
@@ -245,7 +246,7 @@ def _follow(channel: _Channel, workers: int, progress: ProgressFn | None) -> Bui
 
 
 def _decode_share(
-    share: tuple[str, dict, list], rank: int, workers: int, progress: ProgressFn | None
+    share: tuple[str, dict, list], rank: int, workers: int | None, progress: ProgressFn | None
 ) -> tuple[str, Any]:
     """Decode this rank's jobs into the shared data file: ``("ok", results)`` or ``("error", why)``.
 

@@ -18,7 +18,7 @@ record's, and its dtype carries the image's size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cv2
@@ -144,7 +144,7 @@ def plane_offsets(height: int, width: int) -> tuple[int, int, int]:
     return 0, height * width, height * width + ch * cw
 
 
-def chroma_box(box: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+def chroma_box(box: Sequence[int]) -> tuple[int, int, int, int]:
     """The chroma planes' box ``(top, left, height, width)`` that covers the luma ``box``:
     at half its coordinates, rounded outwards."""
     top, left, bh, bw = box
@@ -156,7 +156,7 @@ def crop_into(
     y: np.ndarray,
     cb: np.ndarray,
     cr: np.ndarray,
-    box: tuple[int, int, int, int],
+    box: Sequence[int],
     out: np.ndarray,
     resize: Callable[[np.ndarray, np.ndarray], None],
     take: Callable[[str, int], np.ndarray],

@@ -192,13 +192,18 @@ def plan_cache(
         layout = layout_from_sizes(hw, o)
         kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
         layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
+        heights, widths, channels = layout.shapes.T
         by_layout = {
-            name: layout_offsets(px.record_nbytes(*layout.shapes.T, name))[1]
+            name: layout_offsets(px.record_nbytes(heights, widths, channels, name))[1]
             for name in layouts
         }
         return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes), by_layout)
 
-    base = {"color": opts.color, "max_pixels": opts.max_pixels, "pixels": opts.pixels}
+    base: dict[str, Any] = {
+        "color": opts.color,
+        "max_pixels": opts.max_pixels,
+        "pixels": opts.pixels,
+    }
     policies = [policy(Options(**base, **p)) for p in COMMON_POLICIES]
     same = [p for p in policies if _same_shapes(p.options, opts)]
     build = replace(same[0], options=opts) if same else policy(opts)

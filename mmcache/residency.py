@@ -244,13 +244,14 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
     m = files.manifest
     idx = files.index
     shapes = fmt.record_shapes(idx)
+    smallest: tuple[int, int, int] | None = None
+    largest: tuple[int, int, int] | None = None
     if len(shapes):
         pixels = shapes.prod(1)
         smallest, largest = (
-            tuple(int(v) for v in shapes[k]) for k in (pixels.argmin(), pixels.argmax())
+            (int(height), int(width), int(channels))
+            for height, width, channels in (shapes[pixels.argmin()], shapes[pixels.argmax()])
         )
-    else:
-        smallest = largest = None
     paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in fmt.FILE_KINDS]
     stats = [p.stat() for p in paths]
     ram = memory()

@@ -484,7 +484,8 @@ class ReadAhead:
                     for at in range(offset, offset + length, READ_PIECE):
                         if self.stopped:
                             return
-                        os.preadv(self.fd, [piece[: min(READ_PIECE, offset + length - at)]], at)
+                        part = piece[: min(READ_PIECE, offset + length - at)]
+                        os.preadv(self.fd, [part.data], at)
                 if what == "read":
                     with self.cond:
                         self.read = b + 1

@@ -68,12 +68,12 @@ DRAWS = 2 * TRIES + 3
 def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     """torchvision's convention: an int is a square, a pair is (height, width)."""
     if isinstance(size, int | np.integer):
-        pair = (int(size), int(size))
+        pair: tuple[int, ...] = (int(size), int(size))
     else:
         pair = tuple(int(v) for v in size)
     if len(pair) != 2 or min(pair) < 1:
         raise ValueError(f"size must be an int or (height, width) of positive ints, got {size!r}")
-    return pair
+    return pair[0], pair[1]
 
 
 def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
@@ -165,7 +165,7 @@ class _Crop:
         """The crop of one H x W x C array, resized to ``size`` (a new array)."""
         self.warn_if_upscaling(np.array([img.shape[:2]]))
         u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
-        box = self.box(*img.shape[:2], u)
+        box = self.box(img.shape[0], img.shape[1], u)
         return resized_crop(img, box, self.size, self.interpolation, antialias=self.antialias)
 
 

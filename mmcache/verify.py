@@ -293,6 +293,7 @@ def _compare_one(
         report.bad.append(BadRecord(r, rel, "its source no longer decodes"))
         return
     report.source_compared += 1
+    assert native is not None  # read_image gives the size of every image it read
     decoded = options.output_shape(*native)
     if decoded != shape:
         report.bad.append(BadRecord(r, rel, f"stored as {shape}, the source decodes to {decoded}"))
