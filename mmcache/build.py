@@ -94,7 +94,7 @@ def build_cache(
             decoding them; default Pillow's bomb limit); ``reduced_decode``. Default: native
             size, RGB.
 
-    Example:
+    Examples:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
         >>> report.images, report.skipped  # doctest: +SKIP
 
@@ -149,7 +149,7 @@ def create_lazy_cache(
     now (``report.decoded``). Files refused from their header (over ``max_pixels``) are left
     out, as a build leaves them. Arguments are those of ``build_cache``.
 
-    Example:
+    Examples:
         >>> report = create_lazy_cache("data/train", "cache/lazy", short_side=256)  # doctest: +SKIP
         >>> report.pending  # doctest: +SKIP
 
@@ -177,7 +177,7 @@ def compact_cache(cache: str | os.PathLike) -> BuildReport:
     this does it now. The source is not read (a copied cache compacts too). Processes that
     opened the previous generation keep reading it until they reopen.
 
-    Example:
+    Examples:
         >>> report = compact_cache("cache/train")  # doctest: +SKIP
         >>> report.dropped_garbage, report.bytes  # doctest: +SKIP
 

@@ -97,7 +97,7 @@ class MemmapImageDataset(Dataset):
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
-    Example:
+    Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
         >>> lazy = MemmapImageDataset("cache/lazy", source="data/train")  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=4)  # doctest: +SKIP

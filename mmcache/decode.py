@@ -356,7 +356,7 @@ def _is_text(head: bytes) -> bool:
 def decode_image(path: str | os.PathLike, options: Options | None = None) -> np.ndarray:
     """The pixels a cache stores for ``path``: ``cv2.imread`` then ``preprocess``.
 
-    Example:
+    Examples:
         >>> img = decode_image("cat.jpg", Options(short_side=256))  # doctest: +SKIP
 
     Raises:

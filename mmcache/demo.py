@@ -104,7 +104,7 @@ def run_demo(
     ``epochs`` epochs of each: decoding every image (a DataLoader), the cache in a DataLoader,
     and the cache through ``BatchLoader`` (all images share one size).
 
-    Example:
+    Examples:
         >>> report = run_demo("/tmp/mmcache-demo", images=200)  # doctest: +SKIP
     """
     workdir = Path(workdir)

@@ -61,7 +61,7 @@ def build_distributed(
             ``progress`` is called for this rank's share.
         timeout: seconds a rank waits for the others at each step before the build fails.
 
-    Example:
+    Examples:
         >>> # torchrun --nproc-per-node 2 train.py, in train.py:  # doctest: +SKIP
         >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
         >>> report = mmcache.build_cache("data/train", "/shared/cache/train")  # doctest: +SKIP
@@ -92,7 +92,7 @@ def balanced_shares(records: np.ndarray, cost: np.ndarray, parts: int) -> list[n
     data file, which shared filesystems handle best; a record goes to the run its cost midpoint
     falls in, so no run is more than one record's cost away from an equal share.
 
-    Example:
+    Examples:
         >>> [s.tolist() for s in balanced_shares(np.arange(4), np.array([3, 1, 1, 1]), 2)]
         [[0], [1, 2, 3]]
     """
@@ -115,7 +115,7 @@ def torchrun_process_group(timeout: float = writer.DIST_TIMEOUT):
     Initialises gloo from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and
     destroys the group on exit; does nothing if a group is already initialised.
 
-    Example:
+    Examples:
         >>> with torchrun_process_group():  # doctest: +SKIP
         ...     build_cache("data/train", "/shared/cache/train")
     """

@@ -118,7 +118,7 @@ class BatchLoader:
             format (the layout the pixels already have; no copy); without, give the uint8
             images as an N x C x H x W view of that layout.
 
-    Example:
+    Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
         >>> IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # mean, std
         >>> loader = BatchLoader(ds, 256, shuffle=True, seed=0, crop=RandomResizedCrop(224),

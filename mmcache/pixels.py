@@ -195,7 +195,8 @@ def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
 
     Args:
         y: ``(..., H, W)`` uint8 luma.
-        cb, cr: ``(..., ceil(H/2), ceil(W/2))`` uint8 chroma.
+        cb: ``(..., ceil(H/2), ceil(W/2))`` uint8 blue-difference chroma.
+        cr: ``(..., ceil(H/2), ceil(W/2))`` uint8 red-difference chroma.
 
     Returns:
         ``(..., H, W, 3)`` uint8 RGB, of the inputs' kind. numpy inputs give exactly what

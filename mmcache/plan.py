@@ -174,7 +174,7 @@ def plan_cache(
         progress: called as ``progress(done, total)`` while headers are read.
         **options: the build's preprocessing, as ``Options`` fields (``short_side=256``, ...).
 
-    Example:
+    Examples:
         >>> plan = plan_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
         >>> plan.data_bytes, plan.free_bytes, plan.ram_fraction()  # doctest: +SKIP
 

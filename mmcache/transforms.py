@@ -182,7 +182,7 @@ class RandomResizedCrop(_Crop):
         antialias: for ``"bilinear"`` and ``"bicubic"``, torchvision's antialiased kernels
             (torch's); ``False``: OpenCV's, as the build resizes. Other names ignore it.
 
-    Example:
+    Examples:
         >>> crop = RandomResizedCrop(224)
         >>> ds = MemmapImageDataset("cache/train", transform=crop)  # doctest: +SKIP
         >>> batches = BatchLoader(plain, 256, shuffle=True, crop=crop, flip=True)  # doctest: +SKIP
@@ -242,7 +242,8 @@ class CenterResizedCrop(_Crop):
     Args:
         size: output size: an int (square) or ``(height, width)``.
         ratio: the box's side as a fraction of the image's shorter side.
-        interpolation, antialias: as for ``RandomResizedCrop``.
+        interpolation: as for ``RandomResizedCrop``.
+        antialias: as for ``RandomResizedCrop``.
     """
 
     def __init__(
