@@ -133,7 +133,7 @@ class DecodePool:
     def __init__(self, opts: Options, workers: int | None) -> None:
         self.opts = opts
         self.count = (os.cpu_count() or 1) if workers is None else workers
-        self._pool = _Pool(opts) if self.count > 0 else None
+        self._pool = _Pool(opts) if self.count else None
         if self._pool is not None:
             for _ in range(self.count):
                 self._pool.start_worker()
