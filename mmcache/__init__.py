@@ -1,6 +1,6 @@
 """mmcache: decode an image folder once into a memory-mapped cache, and train from it.
 
-Example:
+Examples:
     >>> import mmcache
     >>> mmcache.build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
     >>> ds = mmcache.MemmapImageDataset("cache/train")  # doctest: +SKIP

@@ -303,6 +303,8 @@ class Iteration:
                 shared.cond.wait()
             batch = shared.ready.pop(number, None)
             if batch is None:
+                # the wait above ends on a ready batch or on a failure
+                assert shared.failure is not None
                 error, shared.failure = shared.failure.error, None
         if batch is None:
             self.close("BatchLoader: this iteration stopped on an error")
@@ -469,7 +471,7 @@ def draw(
 class Record(NamedTuple):
     """One record of a batch, as a filling thread reads it."""
 
-    index: int  # its index in the cache
+    cache_index: int  # its index in the cache
     offset: int  # where it starts in the data file
     shape: np.ndarray  # (height, width, channels)
     filled: bool  # it holds its pixels (else the reader reads it: it fills or raises)
@@ -518,8 +520,9 @@ def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
     """Copy an RGB record, all of it, into ``out`` (of the record's shape)."""
     flat = out.reshape(-1)
     if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        flat[:] = job.reader.read(record.index).reshape(-1)
+        flat[:] = job.reader.read(record.cache_index).reshape(-1)
     elif mapped:
+        assert job.mapping is not None  # mapped: the order is not empty
         flat[:] = job.mapping[record.offset : record.offset + flat.size]
     else:
         pread(job, record, flat)
@@ -540,13 +543,15 @@ def fill_planar(
     shape = (int(record.shape[0]), int(record.shape[1]))
     rows_from = (0, 0)
     if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.reader.planes(record.index)
+        y, cb, cr = job.reader.planes(record.cache_index)
     elif box is not None and not mapped:
         y, cb, cr = planar_box_rows(job, record, box, scratch)
         rows_from = (box[0], px.chroma_window(box, shape)[0])
     else:
-        n = int(px.record_nbytes(*(int(v) for v in record.shape), job.reader.pixels))
+        height, width, channels = (int(v) for v in record.shape)
+        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
         if mapped:
+            assert job.mapping is not None  # mapped: the order is not empty
             flat = job.mapping[record.offset : record.offset + n]
         else:
             flat = scratch.take("rows", n)
@@ -594,8 +599,9 @@ def box_rows(
     buffer."""
     height, width, channels = (int(v) for v in record.shape)
     if not record.filled:
-        return torch.from_numpy(job.reader.read(record.index))[top : top + rows]
+        return torch.from_numpy(job.reader.read(record.cache_index))[top : top + rows]
     if mapped:
+        assert job.mapping_tensor is not None  # mapped: the order is not empty
         start = record.offset
         whole = job.mapping_tensor[start : start + height * width * channels]
         whole = whole.view(height, width, channels)
@@ -609,8 +615,8 @@ def pread(job: Job, record: Record, out: np.ndarray, start: int = 0) -> None:
     """Read ``out.nbytes`` of ``record`` from byte ``start`` of it on: through the iteration's
     own descriptor when it has one, else (or on a short read, so that the error is the
     reader's) through the reader."""
-    if job.fd < 0 or os.preadv(job.fd, [out], record.offset + start) != out.nbytes:
-        job.reader.read_into(record.index, out, start)
+    if job.fd < 0 or os.preadv(job.fd, [out.data], record.offset + start) != out.nbytes:
+        job.reader.read_into(record.cache_index, out, start)
 
 
 def to_device(job: Job, images: torch.Tensor, labels: torch.Tensor, stream: Any) -> Batch:

@@ -42,7 +42,7 @@ def write_pixels(fd: int, pixels: np.ndarray, offset: int) -> None:
     ``pwrite``, never a store through a mapping: on a full disk a store to a sparse mapped page
     kills the process with SIGBUS, where ``pwrite`` raises ``OSError(ENOSPC)``.
     """
-    written = os.pwrite(fd, pixels, offset)
+    written = os.pwrite(fd, pixels.data, offset)
     if written != pixels.nbytes:
         raise OSError(errno.ENOSPC, "short write to the data file")
 

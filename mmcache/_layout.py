@@ -34,7 +34,13 @@ class Layout:
     @property
     def nbytes(self) -> np.ndarray:
         """Each record's size in the data file (0 if unknown)."""
-        return px.record_nbytes(*self.shapes.T, self.record_layout)
+        height, width, channels = self.shapes.T
+        return px.record_nbytes(height, width, channels, self.record_layout)
+
+    def shape(self, i: int) -> tuple[int, int, int]:
+        """Record ``i``'s (height, width, channels) (zeros if unknown from the header)."""
+        height, width, channels = self.shapes[i]
+        return int(height), int(width), int(channels)
 
 
 def aligned(n: int) -> int:

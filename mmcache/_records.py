@@ -99,8 +99,9 @@ class RecordReader:
         self.nbytes, self.labels = self.records.nbytes, self.records.labels
         self.data: np.ndarray | None = None  # the data file, mapped on first read
         self.fd = -1
-        self.states: np.ndarray | None = None
-        self.codes: np.ndarray | None = None
+        # The record states and their codes, mapped with the data (empty until then).
+        self.states = np.zeros(0, fmt.STATE_DTYPE)
+        self.codes = self.states["state"]
         self.filler: RecordFiller | None = None
         self.fit_checked, self.exact = -FIT_CHECK_SECONDS, False  # see reads_exactly
         # Which records this reader has checked (a bit each, ~160 KB for 1.28M records).
@@ -125,10 +126,10 @@ class RecordReader:
                 opened.
         """
         if self.data is None:
-            self._map()
+            return self._map()
         return self.data
 
-    def _map(self) -> None:
+    def _map(self) -> np.ndarray:
         m = self.manifest
         nbytes, count = m.sizes["data"], m.count
         try:
@@ -142,7 +143,7 @@ class RecordReader:
             self.codes = self.states["state"]
             # Shared and read-only: pwrites by other processes (lazy fills) show at once, and
             # nothing this process does can change what a later read returns.
-            self.data = (
+            self.data = data = (
                 np.memmap(m.file("data"), dtype=np.uint8, mode="r", shape=(nbytes,))
                 if nbytes
                 else np.zeros(0, np.uint8)
@@ -156,6 +157,7 @@ class RecordReader:
                 f"{m.file('data')}: shorter than the {nbytes} bytes checked at open: the "
                 "file was truncated since; rebuild the cache"
             ) from None
+        return data
 
     def cut_short(self, end: int | None = None) -> bool:
         """Whether the data file now ends before byte ``end`` (default: the end of
@@ -280,7 +282,7 @@ class RecordReader:
             CacheFormatError: the data file was truncated after it was opened.
         """
         self.mapping()
-        if os.preadv(self.fd, [out], int(self.offsets[i]) + start) != out.nbytes:
+        if os.preadv(self.fd, [out.data], int(self.offsets[i]) + start) != out.nbytes:
             raise self.truncated(i)
 
     def truncated(self, i: int) -> CacheFormatError:
@@ -299,7 +301,7 @@ class RecordReader:
             CacheFormatError: naming the record, its file and the repair command.
         """
         expected = int(self.states["crc32"][i])
-        actual = zlib.crc32(stored)
+        actual = zlib.crc32(stored.data)
         if actual != expected:
             raise CacheFormatError(
                 f"{self.cache}: record {i} ({self.files.path(i)}): its pixels fail their "
@@ -307,7 +309,8 @@ class RecordReader:
                 f"damaged; `mmcache verify {self.cache} --repair` decodes it again from the "
                 "source"
             )
-        self.verified[i] = True
+        if self.verified is not None:
+            self.verified[i] = True
 
     def bad(self, i: int) -> str:
         """``source path: why`` for a bad record."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
@@ -20,7 +21,9 @@ from ._layout import Layout
 from .scan import Listing
 
 
-def _lends_records(previous: fmt.CacheFiles | None, wanted: dict[str, str]) -> bool:
+def _lends_records(
+    previous: fmt.CacheFiles | None, wanted: dict[str, str]
+) -> TypeGuard[fmt.CacheFiles]:
     """Whether records of ``previous`` may be carried over: the same options and decoder."""
     return previous is not None and all(
         previous.manifest.fingerprints.get(k) == wanted[k] for k in ("options", "decoder")
@@ -111,6 +114,7 @@ def copy_reused(
     bytes copied."""
     if not reuse:
         return 0, 0
+    assert previous is not None  # the records to reuse are previous's
     old = previous.index
     src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
     dst_fd = os.open(data_path, os.O_WRONLY)
@@ -118,7 +122,7 @@ def copy_reused(
         count = copied = 0
         for i, j in reuse.items():
             shape = previous.shape(j)
-            if shape != tuple(int(v) for v in layout.shapes[i]):
+            if shape != layout.shape(i):
                 continue  # the header now predicts another size: decode it again
             nbytes = int(px.record_nbytes(*shape, layout.record_layout))
             copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)

@@ -33,8 +33,10 @@ def to_match(m: fmt.Manifest, current: dict[str, str], trust: bool = False) -> d
     """The fingerprints cache ``m`` must have to be current or to lend its records: ``current``,
     with ``m``'s own decoder when the user trusts it now (``trust``) or trusted it before."""
     recorded = m.fingerprints.get("decoder")
-    if recorded != current["decoder"] and (
-        trust or decoder_accepted(recorded, m.extra.get("trusted_decoder"))
+    if (
+        recorded is not None
+        and recorded != current["decoder"]
+        and (trust or decoder_accepted(recorded, m.extra.get("trusted_decoder")))
     ):
         return {**current, "decoder": recorded}
     return current
@@ -82,7 +84,7 @@ def trust_record(versions: dict[str, str]) -> dict:
     }
 
 
-def carried_trust(m: fmt.Manifest, wanted: dict[str, str], current: dict[str, str]):
+def carried_trust(m: fmt.Manifest, wanted: dict[str, str], current: dict[str, str]) -> dict | None:
     """The ``trusted_decoder`` record of a generation that reuses records of cache ``m``: the
     other decoder whose pixels it keeps (``m``'s own, or the one ``m`` already trusted)."""
     if wanted["decoder"] != current["decoder"]:

@@ -99,7 +99,7 @@ def decode_records(
     total = sum(len(chunk) for chunk in jobs)
     done = 0
     own = pool is None
-    if own:
+    if pool is None:
         count = (os.cpu_count() or 1) if workers is None else workers
         pool = DecodePool(opts, min(count, len(jobs)))
     try:
@@ -134,8 +134,9 @@ class DecodePool:
         self.opts = opts
         self.count = (os.cpu_count() or 1) if workers is None else workers
         self._pool = _Pool(opts) if self.count else None
-        for _ in range(self.count):
-            self._pool.start_worker()
+        if self._pool is not None:
+            for _ in range(self.count):
+                self._pool.start_worker()
 
     def run(self, jobs: list[list[Job]], data_path: str) -> Iterator[list[Result]]:
         """Decode ``jobs`` (chunks of records) into ``data_path``; yields results as they come."""
@@ -414,6 +415,7 @@ def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Res
     code, crc, message, pixels = decode_record(job.path, job.size, job.mtime_ns, opts, capture)
     if code != fmt.FILLED:
         return Result(job.record, code, 0, message, None)
+    assert pixels is not None  # a FILLED record comes with its pixels
     if px.image_shape(pixels) != job.shape:  # the header lied or was unreadable: overflow
         return Result(job.record, fmt.FILLED, crc, message, pixels)
     write_pixels(fd, pixels, job.offset)

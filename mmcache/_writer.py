@@ -285,7 +285,7 @@ class Generation:
                     record=i,
                     path=listing.abspath(i),
                     offset=int(layout.offsets[i]),
-                    shape=tuple(int(v) for v in layout.shapes[i]),
+                    shape=layout.shape(i),
                     size=int(listing.sizes[i]),
                     mtime_ns=int(listing.mtimes[i]),
                 )
@@ -340,11 +340,12 @@ def allocate(s: Session) -> Generation:
     for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
         messages.setdefault(i, _too_large(listing, i, request.options))
     gen = new_generation()
+    appended_to = previous if appending else None
     g = Generation(
         folder=s.folder, gen=gen, listing=listing, layout=layout, state=state, crcs=crcs,
         messages=messages, overflow={}, reused=0, todo=[],
-        data_gen=previous.manifest.data_generation if appending else gen,
-        appended_after=previous.manifest.sizes["data"] if appending else None,
+        data_gen=appended_to.manifest.data_generation if appended_to else gen,
+        appended_after=appended_to.manifest.sizes["data"] if appended_to else None,
         compaction_deferred=deferred,
     )  # fmt: skip
     # Before anything is written: the bytes this generation adds, while the old one stays.
@@ -352,9 +353,9 @@ def allocate(s: Session) -> Generation:
     records = [listing.paths[i] for i in np.flatnonzero(state == fmt.EMPTY)]
     check_free_space(s.folder, disk_bytes(generation_sizes(records, new_bytes)), request.force)
     with discarded_on_failure(g):
-        if appending:
+        if appended_to is not None:
             extend_data_file(g.data_path, layout.data_bytes)
-            g.reused = keep_in_place(previous, kept or {}, g.crcs, g.state)
+            g.reused = keep_in_place(appended_to, kept or {}, g.crcs, g.state)
         else:
             create_data_file(g.data_path, layout.data_bytes)
             reuse = reusable(previous, listing, s.wanted)
@@ -394,7 +395,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
             "mtime_ns": int(listing.mtimes[i]),
             "state": int(state[i]),
         }
-        for i in np.flatnonzero(~kept)
+        for i in np.flatnonzero(~kept).tolist()
     ]
     if skipped and (s.request.strict or not len(keep)):
         raise _refusal(skipped, s)
@@ -402,7 +403,9 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     if g.overflow:
         data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
     warnings = list(listing.warnings) + [
-        {"path": listing.paths[i], "reason": g.messages[i]} for i in keep if i in g.messages
+        {"path": listing.paths[i], "reason": g.messages[i]}
+        for i in keep.tolist()
+        if i in g.messages
     ]
     index, paths_blob = index_records(
         offsets[keep],
@@ -435,7 +438,11 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         },
     )
     previous = s.previous
-    trusted = carried_trust(previous.manifest, s.wanted, s.current) if g.reused else None
+    trusted = (
+        carried_trust(previous.manifest, s.wanted, s.current)
+        if g.reused and previous is not None  # records are reused from previous only
+        else None
+    )
     if trusted is not None:
         manifest.extra["trusted_decoder"] = trusted
     report = _finish_report(g, s, keep, offsets, data_bytes, sizes, skipped, warnings)
@@ -642,7 +649,8 @@ def _too_large(listing: Listing, i: int, opts: Options) -> str:
         native = None
     if native is None:  # (it was readable when planned; changed since)
         return fmt.BAD_REASONS[fmt.BAD_TOO_LARGE]
-    return too_large_reason(*native, opts.max_pixels)
+    assert opts.max_pixels is not None  # Options replaces None with the default
+    return too_large_reason(native[0], native[1], opts.max_pixels)
 
 
 def _append_overflow(

@@ -89,7 +89,7 @@ def build_cache(
             ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``, ``keep_truncated``.
             Default: native size, RGB.
 
-    Example:
+    Examples:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
         >>> report.images, report.skipped  # doctest: +SKIP
 
@@ -142,7 +142,7 @@ def create_lazy_cache(
     now (``report.decoded``). Files refused from their header (over ``max_pixels``) are left
     out, as a build leaves them. Arguments are those of ``build_cache``.
 
-    Example:
+    Examples:
         >>> report = create_lazy_cache("data/train", "cache/lazy", short_side=256)  # doctest: +SKIP
         >>> report.pending  # doctest: +SKIP
 
@@ -165,7 +165,7 @@ def compact_cache(cache: str | os.PathLike) -> BuildReport:
     this does it now. The source is not read (a copied cache compacts too). Processes that
     opened the previous generation keep reading it until they reopen.
 
-    Example:
+    Examples:
         >>> report = compact_cache("cache/train")  # doctest: +SKIP
         >>> report.dropped_garbage, report.bytes  # doctest: +SKIP
 
@@ -226,4 +226,4 @@ def _in_process_group(distributed: bool | None) -> bool:
             "distributed=True needs an initialised torch.distributed process group "
             "(run under torchrun and call torch.distributed.init_process_group first)"
         )
-    return active and dist.get_world_size() > 1
+    return active and dist is not None and dist.get_world_size() > 1

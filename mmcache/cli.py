@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import io
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._feedback import count, human_bytes
 from ._interpolation import RENAMED
@@ -34,6 +35,9 @@ from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
 from .reports import BuildReport
 from .residency import DEFAULT_MAX_MEMORY
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["main"]
 
@@ -53,7 +57,8 @@ class _Progress:
         unit_scale: bool = False,
         quiet: bool = False,
     ) -> None:
-        self.desc, self.unit, self.delay, self.bar = desc, unit, delay, None
+        self.desc, self.unit, self.delay = desc, unit, delay
+        self.bar: tqdm | None = None
         self.unit_scale, self.quiet = unit_scale, quiet
         self.terminal = sys.stderr.isatty()
         self.logged = time.monotonic()
@@ -601,7 +606,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     def shape(s: tuple[int, int, int]) -> str:  # as the arrays and --json give it
         return f"{s[0]}x{s[1]}x{s[2]}"
 
-    if info.min_size is None:
+    if info.min_size is None or info.max_size is None:  # (both, or neither)
         sizes = "none"
     elif info.fixed_size:
         sizes = f"all {shape(info.min_size)} (height x width x channels)"
@@ -899,7 +904,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):
         # A file name that is not UTF-8 (its bytes kept as surrogate escapes) prints as \xNN.
         with suppress(AttributeError, ValueError):
-            stream.reconfigure(errors=_ESCAPE)
+            # a TextIOWrapper unless replaced: one without reconfigure raises AttributeError
+            cast(io.TextIOWrapper, stream).reconfigure(errors=_ESCAPE)
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
@@ -955,9 +961,11 @@ def _json(value: object) -> str:
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def _escape_bytes(error: UnicodeEncodeError) -> tuple[str, int]:
+def _escape_bytes(error: UnicodeError) -> tuple[str, int]:
     """Write a surrogate-escaped byte as ``\\xNN``, any other unencodable character as
     ``\\uNNNN``."""
+    if not isinstance(error, UnicodeEncodeError):  # registered for the output streams only
+        raise error
     chars = error.object[error.start : error.end]
     text = "".join(
         f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"\\u{ord(c):04x}"

@@ -57,7 +57,7 @@ def copy_cache(
         dest: the folder to copy it to, typically on a node's local disk.
         progress: called as ``progress(done, total)`` in bytes while copying.
 
-    Example:
+    Examples:
         >>> report = copy_cache("/shared/cache/train", "/local/cache/train")  # doctest: +SKIP
         >>> report.verified == report.images  # doctest: +SKIP
 

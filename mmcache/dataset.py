@@ -99,7 +99,7 @@ class MemmapImageDataset(Dataset):
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
-    Example:
+    Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
         >>> lazy = MemmapImageDataset("cache/lazy", source="data/train")  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=4)  # doctest: +SKIP
@@ -183,6 +183,7 @@ class MemmapImageDataset(Dataset):
                 return fmt.open_cache(self.cache)
             if on_stale != "ignore":
                 listing = scan_source(source)
+        assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
         reason = stale_reason(files, listing)

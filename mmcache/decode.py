@@ -356,7 +356,7 @@ def _is_text(head: bytes) -> bool:
 def decode_image(path: str | os.PathLike, options: Options | None = None) -> np.ndarray:
     """The pixels a cache stores for ``path``: ``cv2.imread`` then ``preprocess``.
 
-    Example:
+    Examples:
         >>> img = decode_image("cat.jpg", Options(short_side=256))  # doctest: +SKIP
 
     Raises:
@@ -402,17 +402,19 @@ def decode_record(
         if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
+    assert native is not None  # read_image gives the size of every image it read
+    assert opts.max_pixels is not None  # Options replaces None with the default
     if native[0] * native[1] > opts.max_pixels:
-        return fmt.BAD_TOO_LARGE, 0, too_large_reason(*native, opts.max_pixels), None
+        return fmt.BAD_TOO_LARGE, 0, too_large_reason(native[0], native[1], opts.max_pixels), None
     truncated = not opts.keep_truncated and jpeg_truncated(path)
     # np.require keeps a 0-d (I420) record as it is.
     pixels = None if truncated else np.require(preprocess(img, opts, native), requirements="C")
     # After the decode and the truncation check: a file still being written reads truncated.
     if _stat_key(path) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
-    if truncated:
+    if pixels is None:  # truncated
         return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
-    return fmt.FILLED, zlib.crc32(pixels), message, pixels
+    return fmt.FILLED, zlib.crc32(pixels.data), message, pixels
 
 
 def too_large_reason(height: int, width: int, max_pixels: int) -> str:
@@ -423,7 +425,7 @@ def too_large_reason(height: int, width: int, max_pixels: int) -> str:
     )
 
 
-def broken_link_reason(path: str | os.PathLike) -> str:
+def broken_link_reason(path: str | os.PathLike[str]) -> str:
     """What a symbolic link whose target is missing is, naming the target."""
     try:
         target = os.readlink(path)
@@ -501,6 +503,7 @@ class StderrCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        assert self._saved is not None  # set by __enter__
         os.dup2(self._saved, 2)
         os.close(self._saved)
 

@@ -108,7 +108,7 @@ def run_demo(
     and the cache through ``BatchLoader`` (all images share one size, ``image_size``: (height,
     width)).
 
-    Example:
+    Examples:
         >>> report = run_demo("/tmp/mmcache-demo", images=200)  # doctest: +SKIP
     """
     workdir = Path(workdir)

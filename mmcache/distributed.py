@@ -61,7 +61,7 @@ def build_distributed(
             ``progress`` is called for this rank's share.
         timeout: seconds a rank waits for the others at each step before the build fails.
 
-    Example:
+    Examples:
         >>> # torchrun --nproc-per-node 2 train.py, in train.py:  # doctest: +SKIP
         >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
         >>> report = mmcache.build_cache("data/train", "/shared/cache/train")  # doctest: +SKIP
@@ -92,7 +92,7 @@ def balanced_shares(records: np.ndarray, cost: np.ndarray, parts: int) -> list[n
     data file, which shared filesystems handle best; a record goes to the run its cost midpoint
     falls in, so no run is more than one record's cost away from an equal share.
 
-    Example:
+    Examples:
         >>> [s.tolist() for s in balanced_shares(np.arange(4), np.array([3, 1, 1, 1]), 2)]
         [[0], [1, 2, 3]]
     """
@@ -115,7 +115,7 @@ def torchrun_process_group(timeout: float = writer.DIST_TIMEOUT):
     Initialises gloo from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and
     destroys the group on exit; does nothing if a group is already initialised.
 
-    Example:
+    Examples:
         >>> with torchrun_process_group():  # doctest: +SKIP
         ...     build_cache("data/train", "/shared/cache/train")
     """
@@ -159,13 +159,13 @@ class _Channel:
         self.step += 1
 
     def scatter(self, payloads: list | None = None) -> Any:
-        out = [None]
+        out: list[Any] = [None]
         self._run(dist.scatter_object_list, out, payloads, src=0)
         self.decoding = out[0][0] == "go"
         return out[0]
 
     def gather(self, payload: Any) -> list | None:
-        out = [None] * self.world if self.rank == 0 else None
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._run(dist.gather_object, payload, out, dst=0)
         return out
 
@@ -218,6 +218,7 @@ def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
             _decode_share(share[1], channel.rank, request.workers, request.progress)
         )
         decode_seconds = time.perf_counter() - decoding  # the slowest share: every rank's
+        assert replies is not None  # rank 0 gathers every rank's reply
         failures = [message for kind, message in replies if kind == "error"]
         if failures:
             raise DistributedBuildError(f"{'; '.join(failures)}; {_NOTHING_PUBLISHED}")
@@ -234,7 +235,7 @@ def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
     return report
 
 
-def _follow(channel: _Channel, workers: int, progress: ProgressFn | None) -> BuildReport:
+def _follow(channel: _Channel, workers: int | None, progress: ProgressFn | None) -> BuildReport:
     kind, share = channel.scatter()
     if kind == "go":
         channel.gather(_decode_share(share, channel.rank, workers, progress))
@@ -245,7 +246,7 @@ def _follow(channel: _Channel, workers: int, progress: ProgressFn | None) -> Bui
 
 
 def _decode_share(
-    share: tuple[str, dict, list], rank: int, workers: int, progress: ProgressFn | None
+    share: tuple[str, dict, list], rank: int, workers: int | None, progress: ProgressFn | None
 ) -> tuple[str, Any]:
     """Decode this rank's jobs into the shared data file: ``("ok", results)`` or ``("error", why)``.
 

@@ -212,7 +212,10 @@ BAD_REASONS = {
 
 def dtype_descr(dtype: np.dtype) -> list[list[str]]:
     """A dtype as the JSON list ``[[name, type], ...]`` the manifest stores."""
-    return [[name, dtype.fields[name][0].str] for name in dtype.names]
+    names, fields = dtype.names, dtype.fields
+    if names is None or fields is None:
+        raise ValueError(f"{dtype} is not a structured dtype")
+    return [[name, fields[name][0].str] for name in names]
 
 
 def record_shapes(index: np.ndarray) -> np.ndarray:
@@ -267,7 +270,7 @@ class Manifest:
     source: dict[str, Any]
     options: dict[str, Any]
     classes: list[str]
-    skipped: list[dict[str, str]]
+    skipped: list[dict[str, Any]]
     warnings: list[dict[str, str]]
     fingerprints: dict[str, str]
     decoder: dict[str, str]
@@ -501,6 +504,7 @@ def _check_manifest_checksum(
         mpath,
         "checksums missing or malformed (expected {index, paths, manifest} CRC-32s)",
     )
+    assert isinstance(checksums, dict)  # checked above: narrows the type
     try:
         actual = manifest_checksum(m)
     except ValueError as e:

@@ -31,9 +31,9 @@ from __future__ import annotations
 import secrets
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -118,7 +118,7 @@ class BatchLoader:
             format (the layout the pixels already have; no copy); without, give the uint8
             images as an N x C x H x W view of that layout.
 
-    Example:
+    Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
         >>> IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # mean, std
         >>> loader = BatchLoader(ds, 256, shuffle=True, seed=0, crop=RandomResizedCrop(224),
@@ -206,15 +206,16 @@ class BatchLoader:
     @property
     def shape(self) -> tuple[int, int, int]:
         """The (H, W, C) of every image of the batches (before ``normalize``)."""
-        if self.crop is None:
-            return self._record_shape
-        return (*self.crop.size, _channels(self.dataset))
+        if self.crop is not None:
+            return (*self.crop.size, _channels(self.dataset))
+        assert self._record_shape is not None  # measured at construction when there is no crop
+        return self._record_shape
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order, boxes and flips next (and forward it to the sampler)."""
         self.epoch = epoch
         self._start = self._done = 0
-        if hasattr(self.sampler, "set_epoch"):
+        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -231,7 +232,11 @@ class BatchLoader:
             "batch_size": self.batch_size,
             "seed": self.seed if self.seed is not None else self._iteration_seed,
             "size": list(self.crop.size) if self.crop is not None else None,
-            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+            "sampler": (
+                self.sampler.state_dict()
+                if self.sampler is not None and hasattr(self.sampler, "state_dict")
+                else None
+            ),
             "dataset": dataset_identity(self.dataset),
             "order": self._order_identity(),
         }
@@ -268,7 +273,11 @@ class BatchLoader:
         current["order"] = self._order_identity()
         check_resume("BatchLoader", state, current)
         self.set_epoch(int(state["epoch"]))
-        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+        if (
+            state.get("sampler") is not None
+            and self.sampler is not None
+            and hasattr(self.sampler, "load_state_dict")
+        ):
             self.sampler.load_state_dict(state["sampler"])
         if self.seed is None:
             self._iteration_seed = state["seed"]
@@ -329,7 +338,7 @@ class BatchLoader:
         """
         n = len(self.dataset)
         ahead = None
-        if hasattr(self.sampler, "take_epoch"):
+        if self.sampler is not None and hasattr(self.sampler, "take_epoch"):
             order, ahead = self.sampler.take_epoch()
             order = np.asarray(order, np.int64)
         elif self.sampler is not None:
@@ -354,7 +363,9 @@ class BatchLoader:
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
     def __len__(self) -> int:
-        count = len(self.sampler) if self.sampler is not None else len(self.dataset)
+        # A sampler without __len__ raises TypeError here, as len(DataLoader) does: the
+        # parameter's type (any iterable) cannot say "sized for len()" alone.
+        count = len(cast(Sized, self.sampler)) if self.sampler is not None else len(self.dataset)
         return self._num_batches(count)
 
     def _reads_mapped(self) -> bool:
@@ -474,4 +485,5 @@ def _one_shape(dataset: MemmapImageDataset) -> tuple[int, int, int]:
             f"C), found {len(distinct)}: {found}{more}; pass crop=mmcache.RandomResizedCrop("
             "224) (or CenterResizedCrop), or build the cache with size=(H, W)"
         )
-    return tuple(int(v) for v in distinct[0])
+    height, width, channels = distinct[0]
+    return int(height), int(width), int(channels)

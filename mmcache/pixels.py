@@ -19,7 +19,7 @@ record's, and its dtype carries the image's size.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cv2
@@ -159,9 +159,7 @@ def chroma_span(start: int, length: int, samples: int) -> tuple[int, int]:
     return max(0, start // 2 - 1), min(samples, (start + length) // 2 + 1)
 
 
-def chroma_window(
-    box: tuple[int, int, int, int], shape: tuple[int, int]
-) -> tuple[int, int, int, int]:
+def chroma_window(box: Sequence[int], shape: tuple[int, int]) -> tuple[int, int, int, int]:
     """The chroma planes' window ``(top, left, height, width)`` that the luma ``box`` of a
     record of ``shape`` (H, W) is converted from (``chroma_span`` of its rows and columns)."""
     ch, cw = chroma_shape(*shape)
@@ -174,7 +172,7 @@ def converted_window(
     y: np.ndarray,
     cb: np.ndarray,
     cr: np.ndarray,
-    box: tuple[int, int, int, int],
+    box: Sequence[int],
     shape: tuple[int, int],
     color: str,
     take: Callable[[str, int], np.ndarray],
@@ -215,7 +213,7 @@ def crop_into(
     y: np.ndarray,
     cb: np.ndarray,
     cr: np.ndarray,
-    box: tuple[int, int, int, int],
+    box: Sequence[int],
     shape: tuple[int, int],
     out: np.ndarray,
     resize: Callable[[np.ndarray, np.ndarray], None],
@@ -240,7 +238,8 @@ def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
 
     Args:
         y: ``(..., H, W)`` uint8 luma.
-        cb, cr: ``(..., ceil(H/2), ceil(W/2))`` uint8 chroma.
+        cb: ``(..., ceil(H/2), ceil(W/2))`` uint8 blue-difference chroma.
+        cr: ``(..., ceil(H/2), ceil(W/2))`` uint8 red-difference chroma.
 
     Returns:
         ``(..., H, W, 3)`` uint8 RGB, of the inputs' kind. numpy inputs give exactly what

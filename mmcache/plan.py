@@ -174,7 +174,7 @@ def plan_cache(
         progress: called as ``progress(done, total)`` while headers are read.
         **options: the build's preprocessing, as ``Options`` fields (``short_side=256``, ...).
 
-    Example:
+    Examples:
         >>> plan = plan_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
         >>> plan.data_bytes, plan.free_bytes, plan.ram_fraction()  # doctest: +SKIP
 
@@ -192,13 +192,18 @@ def plan_cache(
         layout = layout_from_sizes(hw, o)
         kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
         layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
+        heights, widths, channels = layout.shapes.T
         by_layout = {
-            name: layout_offsets(px.record_nbytes(*layout.shapes.T, name))[1]
+            name: layout_offsets(px.record_nbytes(heights, widths, channels, name))[1]
             for name in layouts
         }
         return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes), by_layout)
 
-    base = {"color": opts.color, "max_pixels": opts.max_pixels, "pixels": opts.pixels}
+    base: dict[str, Any] = {
+        "color": opts.color,
+        "max_pixels": opts.max_pixels,
+        "pixels": opts.pixels,
+    }
     policies = [policy(Options(**base, **p)) for p in COMMON_POLICIES]
     same = [p for p in policies if _same_shapes(p.options, opts)]
     build = replace(same[0], options=opts) if same else policy(opts)

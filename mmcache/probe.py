@@ -150,7 +150,8 @@ def sniff_format(head: bytes) -> str | None:
 
 
 def _probe(r: _Reader) -> tuple[int, int] | None:
-    parser = _PARSERS.get(sniff_format(r.head))
+    kind = sniff_format(r.head)
+    parser = None if kind is None else _PARSERS.get(kind)
     return None if parser is None else parser(r)
 
 

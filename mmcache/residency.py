@@ -117,7 +117,7 @@ def resident_bytes(path: str | os.PathLike, start: int = 0, stop: int | None = N
 
     Counted in whole pages, capped to the range; None where mincore cannot be called.
 
-    Example:
+    Examples:
         >>> resident_bytes("cache/train/data-0123456789abcdef.bin")  # doctest: +SKIP
     """
     with open(path, "rb") as f:
@@ -233,7 +233,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         check_stale: compare against the source listing and decoder (scans the source folder,
             when it is there); False skips that and reports ``stale=None``.
 
-    Example:
+    Examples:
         >>> info = cache_info("cache/train")  # doctest: +SKIP
         >>> f"{info.resident_share:.0%} of {info.data_bytes} bytes in RAM"  # doctest: +SKIP
 
@@ -244,13 +244,14 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
     m = files.manifest
     idx = files.index
     shapes = fmt.record_shapes(idx)
+    smallest: tuple[int, int, int] | None = None
+    largest: tuple[int, int, int] | None = None
     if len(shapes):
         pixels = shapes.prod(1)
         smallest, largest = (
-            tuple(int(v) for v in shapes[k]) for k in (pixels.argmin(), pixels.argmax())
+            (int(height), int(width), int(channels))
+            for height, width, channels in (shapes[pixels.argmin()], shapes[pixels.argmax()])
         )
-    else:
-        smallest = largest = None
     paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in fmt.FILE_KINDS]
     stats = [p.stat() for p in paths]
     ram = memory()
@@ -299,7 +300,7 @@ def warm_cache(
         max_memory: the budget: a percentage of RAM (``"90%"``) or a size (``"8G"``, bytes).
         progress: called as ``progress(bytes_done, data_bytes)`` as the file is walked.
 
-    Example:
+    Examples:
         >>> report = warm_cache("cache/train", max_memory="80%")  # doctest: +SKIP
         >>> report.resident_share  # doctest: +SKIP
         1.0
@@ -415,7 +416,7 @@ def evict_cache(cache: str | os.PathLike) -> int | None:
     stay resident (the kernel does not drop mapped pages on advice); close the datasets first
     for a cold measurement.
 
-    Example:
+    Examples:
         >>> evict_cache("cache/train")  # doctest: +SKIP
         0
 

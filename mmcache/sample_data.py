@@ -221,8 +221,8 @@ def _draw_shape(
         rad = r * rng.uniform(0.45, 1.0, n)
         points = np.stack([cx + rad * np.cos(t), cy + rad * np.sin(t)], axis=1)
     else:
-        t = math.radians(angle)
-        dx, dy = r * math.cos(t), r * math.sin(t)
+        theta = math.radians(angle)
+        dx, dy = r * math.cos(theta), r * math.sin(theta)
         thick = max(1, round(r * rng.uniform(0.08, 0.25)))
         cv2.line(
             mask,
@@ -254,7 +254,7 @@ def _shape_mask(
     far cheaper than a direct GaussianBlur of a large sigma.
     """
     if sigma <= 0.3:
-        mask = np.zeros((height, width), np.float32)
+        mask: np.ndarray = np.zeros((height, width), np.float32)
         _draw_shape(rng, kind, mask, cx, cy, r)
         return mask
     down = max(1.0, sigma / 2.0)
@@ -295,7 +295,7 @@ def _render(
     _draw_shapes(rng, scene, amp, hue, kind_bias)
 
     # Illumination: a random 2x2 brightness field (light from one side) times a vignette.
-    light = rng.uniform(0.65, 1.2, (2, 2)).astype(np.float32)
+    light: np.ndarray = rng.uniform(0.65, 1.2, (2, 2)).astype(np.float32)
     light = cv2.resize(light, (sw, sh), dst=canvas.light, interpolation=cv2.INTER_LINEAR)
     light = light.reshape(sh, sw)
     light *= 1.0 - np.float32(rng.uniform(0.0, 0.35)) * canvas.vignette
@@ -314,7 +314,9 @@ def _render(
     full = cv2.resize(
         scene8, (width, height), dst=canvas.scene_full, interpolation=cv2.INTER_LINEAR
     )
-    mod = cv2.resize(amp, (width, height), dst=canvas.mod, interpolation=cv2.INTER_LINEAR)
+    mod: np.ndarray = cv2.resize(
+        amp, (width, height), dst=canvas.mod, interpolation=cv2.INTER_LINEAR
+    )
     mod = mod.reshape(height, width)
     cv2.multiply(mod, _crop(rng, canvas.mid, canvas.crop), dst=mod)
     cv2.scaleAdd(_crop(rng, canvas.grain, canvas.crop), rng.uniform(*_GRAIN), mod, dst=mod)

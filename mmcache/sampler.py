@@ -80,8 +80,10 @@ class QuasiRandomSampler(Sampler[int]):
         block_size: records per block. Default: as many as fill about 8 MiB, from the record
             sizes of a ``MemmapImageDataset``; 64 for another dataset.
         seed: the same seed and epoch give the same order, on every rank.
-        num_replicas, rank: default to the world size and rank of ``torch.distributed`` when it
-            is initialised, else 1 and 0.
+        num_replicas: the number of ranks; default: the world size of ``torch.distributed``
+            when it is initialised, else 1.
+        rank: this process's rank; default: ``torch.distributed``'s rank when it is
+            initialised, else 0.
         buffer_blocks: blocks whose records are shuffled together.
         drop_last: see above; only matters with several replicas.
         prefetch: for a ``MemmapImageDataset``, read the next buffer's blocks, as large
@@ -90,7 +92,7 @@ class QuasiRandomSampler(Sampler[int]):
             drop the buffers consumed but the epoch's last (see ``ReadAhead``). When the RAM
             available cannot hold two buffers, only the current one is read ahead.
 
-    Example:
+    Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
         >>> sampler = QuasiRandomSampler(ds, seed=0)  # doctest: +SKIP
         >>> loader = DataLoader(ds, batch_size=256, sampler=sampler)  # doctest: +SKIP
@@ -484,7 +486,8 @@ class ReadAhead:
                     for at in range(offset, offset + length, READ_PIECE):
                         if self.stopped:
                             return
-                        os.preadv(self.fd, [piece[: min(READ_PIECE, offset + length - at)]], at)
+                        part = piece[: min(READ_PIECE, offset + length - at)]
+                        os.preadv(self.fd, [part.data], at)
                 if what == "read":
                     with self.cond:
                         self.read = b + 1

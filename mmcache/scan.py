@@ -305,17 +305,17 @@ def _with_stats(
         sizes[i] = st.st_size
         mtimes[i] = st.st_mtime_ns
         files[i] = st.st_dev, st.st_ino
-    labels = np.asarray(labels, np.int32)
+    label_array = np.asarray(labels, np.int32)
     return Listing(
         root=root,
         kind=kind,
         list_file=list_file,
         classes=classes,
         paths=paths,
-        labels=labels,
+        labels=label_array,
         sizes=sizes,
         mtimes=mtimes,
-        warnings=_under_two_labels(files, paths, labels, classes),
+        warnings=_under_two_labels(files, paths, label_array, classes),
     )
 
 
@@ -328,7 +328,8 @@ def _under_two_labels(
     # Sorted by (device, inode), then listing order: the paths of one file are adjacent.
     order = listed[np.lexsort((listed, files[listed, 1], files[listed, 0]))]
     same = (files[order[1:]] == files[order[:-1]]).all(axis=1)
-    found, first = [], {}
+    found: list[tuple[int, int]] = []
+    first: dict[int, int] = {}
     for k in np.flatnonzero(same).tolist():
         a, b = int(order[k]), int(order[k + 1])
         a = first.setdefault(a, a)  # compare with the file's first listed path

@@ -86,7 +86,7 @@ def check_free_space(
     Returns:
         The free bytes found (-1 when ``force`` skipped the check).
 
-    Example:
+    Examples:
         >>> check_free_space("cache/train", 170 * 10**9)  # doctest: +SKIP
 
     Raises:

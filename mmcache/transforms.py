@@ -69,12 +69,12 @@ DRAWS = 2 * TRIES + 3
 def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     """torchvision's convention: an int is a square, a pair is (height, width)."""
     if isinstance(size, int | np.integer):
-        pair = (int(size), int(size))
+        pair: tuple[int, ...] = (int(size), int(size))
     else:
         pair = tuple(int(v) for v in size)
     if len(pair) != 2 or min(pair) < 1:
         raise ValueError(f"size must be an int or (height, width) of positive ints, got {size!r}")
-    return pair
+    return pair[0], pair[1]
 
 
 def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
@@ -203,7 +203,7 @@ class RandomResizedCrop(_Crop):
         antialias: for ``"bilinear"`` and ``"bicubic"``, torchvision's antialiased kernels
             (torch's); ``False``: OpenCV's, as the build resizes. Other names ignore it.
 
-    Example:
+    Examples:
         >>> crop = RandomResizedCrop(224)
         >>> ds = MemmapImageDataset("cache/train", transform=crop)  # doctest: +SKIP
         >>> batches = BatchLoader(plain, 256, shuffle=True, crop=crop, flip=True)  # doctest: +SKIP
@@ -263,7 +263,8 @@ class CenterResizedCrop(_Crop):
     Args:
         size: output size: an int (square) or ``(height, width)``.
         ratio: the box's side as a fraction of the image's shorter side.
-        interpolation, antialias: as for ``RandomResizedCrop``.
+        interpolation: as for ``RandomResizedCrop``.
+        antialias: as for ``RandomResizedCrop``.
     """
 
     def __init__(

@@ -61,7 +61,7 @@ def verify_cache(
         CacheFormatError: the cache is damaged in its structure (refused at open), or its data
             file shrank while it was read.
 
-    Example:
+    Examples:
         >>> report = verify_cache("cache/train", source="sample")  # doctest: +SKIP
         >>> report.ok, [(b.index, b.path, b.what) for b in report.bad]  # doctest: +SKIP
     """
@@ -142,7 +142,7 @@ def repair_cache(
         CacheNotFoundError, CacheFormatError: as ``verify_cache``.
         InsufficientSpaceError: no room to append the repaired records (nothing is published).
 
-    Example:
+    Examples:
         >>> report = repair_cache("cache/train")  # doctest: +SKIP
         >>> report.ok, [(b.path, b.what) for b in report.unrepaired]  # doctest: +SKIP
     """
@@ -293,6 +293,7 @@ def _compare_one(
         report.bad.append(BadRecord(r, rel, "its source no longer decodes"))
         return
     report.source_compared += 1
+    assert native is not None  # read_image gives the size of every image it read
     decoded = options.output_shape(*native)
     if decoded != shape:
         report.bad.append(BadRecord(r, rel, f"stored as {shape}, the source decodes to {decoded}"))
