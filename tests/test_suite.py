@@ -49,6 +49,7 @@ def test_hangs():
 def _inner_pytest(tmp_path: Path, ci: str | None, source: str = INNER, args: tuple = ()):
     """pytest on ``source`` with this suite's conftest and pytest settings, in a fresh process."""
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(HERE / "_faults.py", tmp_path / "_faults.py")  # a plugin the conftest loads
     shutil.copy(HERE.parent / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "test_inner.py").write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "CI"}

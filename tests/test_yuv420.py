@@ -321,6 +321,7 @@ def test_normalize_channels_last_and_progressive_sizes_on_i420(photos):
     assert next(iter(plain))[0].shape == (4, 16, 20, 3)
 
 
+@pytest.mark.needs_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_i420_batches_on_cuda_equal_the_cpu_batches_and_planes_convert_there(photos):
     kw = {"seed": 3, "crop": RandomResizedCrop(24), "flip": True}
