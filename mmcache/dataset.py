@@ -43,6 +43,8 @@ from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source
 from .transforms import leading_crop
 
+__all__ = ["MemmapImageDataset"]
+
 ON_STALE = ("warn", "error", "ignore", "refresh")
 ON_BAD = ("raise", "substitute")
 VERIFY = (None, "first-read")

@@ -9,24 +9,24 @@ DataLoader worker boundaries intact (a multi-argument ``__init__`` would not).
 from __future__ import annotations
 
 __all__ = [
+    "BadImageWarning",
     "CacheError",
     "CacheFormatError",
     "CacheNotFoundError",
     "CacheStaleError",
     "DecodeError",
-    "SourceError",
-    "NotACacheError",
-    "StrictBuildError",
-    "InsufficientSpaceError",
+    "DecodeWorkerError",
     "DestinationError",
     "DistributedBuildError",
-    "DecodeWorkerError",
+    "InsufficientSpaceError",
+    "MixedShapesError",
+    "NotACacheError",
     "OptionsChangedError",
     "SourceChangedError",
-    "MixedShapesError",
-    "StateMismatchError",
+    "SourceError",
     "StaleCacheWarning",
-    "BadImageWarning",
+    "StateMismatchError",
+    "StrictBuildError",
 ]
 
 

@@ -25,6 +25,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+__all__ = ["LAYOUTS", "convert", "record_nbytes", "yuv420_to_rgb"]
+
 LAYOUTS = ("rgb", "yuv420")
 # What each layout's records convert to, for a cache of each colour order.
 _TO_COLOR = {"rgb": cv2.COLOR_YCrCb2RGB, "bgr": cv2.COLOR_YCrCb2BGR}

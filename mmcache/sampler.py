@@ -37,6 +37,8 @@ from .dataset import MemmapImageDataset
 from .errors import StateMismatchError
 from .residency import memory
 
+__all__ = ["QuasiRandomSampler"]
+
 logger = logging.getLogger(__name__)
 
 # 8 MiB of consecutive records is a sequential read long enough that a disk's seek is a small

@@ -128,3 +128,21 @@ def test_the_layout_page_lists_every_module():
     layout = (ROOT / "docs" / "architecture.md").read_text()
     listed = set(re.findall(r"`mmcache/(\w+)\.py`", layout))
     assert listed == set(MODULES) - {"__init__", "__main__", "_version"}
+
+
+def test_every_public_module_says_what_it_exports_in_a_sorted_all():
+    """A module is private (``_name``) or public with an ``__all__``, sorted, of names it
+    defines or imports."""
+    for name, path in MODULES.items():
+        if name.startswith("_"):
+            continue
+        tree = ast.parse(path.read_text())
+        found = [
+            node.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        ]
+        assert found, f"mmcache/{name}.py is public but has no __all__"
+        names = [ast.literal_eval(e) for e in found[0].elts]
+        assert names == sorted(names), f"mmcache/{name}.py: __all__ is not sorted"
