@@ -126,9 +126,12 @@ def convert(
     h, w = y.shape
     if cb.shape != chroma_shape(h, w):
         raise ValueError(f"chroma planes of {cb.shape} do not fit a {h}x{w} luma plane")
+    ycc = ycc_window(y, cb, cr, (0, 0, h, w), (h, w), thread_buffer)
     if out is None:
-        out = np.empty((h, w, 3), np.uint8)
-    np.copyto(out, converted_window(y, cb, cr, (0, 0, h, w), (h, w), color, thread_buffer))
+        return cv2.cvtColor(ycc, _TO_COLOR[color])
+    done = cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
+    if done.ctypes.data != out.ctypes.data:  # cv2 made its own array: out was not usable
+        out[...] = done
     return out
 
 
@@ -170,20 +173,19 @@ def chroma_window(box: Sequence[int], shape: tuple[int, int]) -> tuple[int, int,
     return top, left, bottom - top, right - left
 
 
-def converted_window(
+def ycc_window(
     y: np.ndarray,
     cb: np.ndarray,
     cr: np.ndarray,
     box: Sequence[int],
     shape: tuple[int, int],
-    color: str,
     take: Callable[[str, int], np.ndarray],
     rows_from: tuple[int, int] = (0, 0),
 ) -> np.ndarray:
-    """The box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W),
-    converted to ``color``: a height x width x 3 view of a ``take`` buffer. Its chroma window
-    is upsampled alone at 2x with ``INTER_LINEAR``, so every pixel equals the same pixel of the
-    whole record's conversion. ``take(name, nbytes)`` gives reusable scratch buffers;
+    """The box ``(top, left, height, width)`` of an I420 record of ``shape`` (H, W) as
+    YCrCb (OpenCV's channel order): a height x width x 3 view of a ``take`` buffer. Its chroma
+    window is upsampled alone at 2x with ``INTER_LINEAR``, so every pixel equals the same pixel
+    of the whole record's. ``take(name, nbytes)`` gives reusable scratch buffers;
     ``rows_from``: the record rows the given Y and chroma planes start at, when they hold only
     the rows the box needs (read with ``pread``)."""
     top, left, bh, bw = box
@@ -195,8 +197,8 @@ def converted_window(
     # arrays of mixed channel counts, and numpy interleaves slower still.
     dy, dx = top - 2 * ct, left - 2 * cl
     luma = take("luma", size[0] * size[1]).reshape(size)
-    # Only the box's pixels of the luma are read; the rest of the window (a margin of up to
-    # three pixels) is converted but not returned.
+    # Only the box's pixels of the luma are read: the rest of the window (a margin of up to
+    # three pixels) is not returned.
     luma[dy : dy + bh, dx : dx + bw] = y[
         top - rows_from[0] : top - rows_from[0] + bh, left : left + bw
     ]
@@ -207,8 +209,26 @@ def converted_window(
         upsampled.append(up)
     ycc = take("ycc", size[0] * size[1] * 3).reshape(*size, 3)
     cv2.merge([luma, *upsampled], dst=ycc)
-    cv2.cvtColor(ycc, _TO_COLOR[color], dst=ycc)
     return ycc[dy : dy + bh, dx : dx + bw]
+
+
+def converted_window(
+    y: np.ndarray,
+    cb: np.ndarray,
+    cr: np.ndarray,
+    box: Sequence[int],
+    shape: tuple[int, int],
+    color: str,
+    take: Callable[[str, int], np.ndarray],
+    rows_from: tuple[int, int] = (0, 0),
+) -> np.ndarray:
+    """The box of ``ycc_window`` converted to ``color``: a contiguous height x width x 3
+    ``take`` buffer holding the same pixels as the whole record's conversion."""
+    ycc = ycc_window(y, cb, cr, box, shape, take, rows_from)
+    # Converted straight out of the window into a contiguous buffer: the conversion is the
+    # copy, and torch's resize reads a contiguous source far faster than a strided one.
+    out = take("box", ycc.size).reshape(ycc.shape)
+    return cv2.cvtColor(ycc, _TO_COLOR[color], dst=out)
 
 
 def crop_into(
@@ -227,11 +247,7 @@ def crop_into(
     into the H x W x 3 ``out``: the box converted (``converted_window``: the pixels of the
     whole record's conversion), then ``resize(src, dst)``, so a crop equals the same crop of
     the record read as RGB. ``take`` gives reusable scratch buffers."""
-    window = converted_window(y, cb, cr, box, shape, color, take, rows_from)
-    # A contiguous copy first: torch's resize reads a strided window far slower.
-    src = take("box", window.nbytes).reshape(window.shape)
-    np.copyto(src, window)
-    resize(src, out)
+    resize(converted_window(y, cb, cr, box, shape, color, take, rows_from), out)
 
 
 def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
