@@ -309,7 +309,7 @@ def allocate(s: Session) -> Generation:
     copied into it (a first build, other options, or a compaction of the garbage)."""
     listing, previous, request = s.listing, s.previous, s.request
     n = len(listing)
-    state = np.full(n, fmt.EMPTY, np.uint32)
+    state: np.ndarray = np.full(n, fmt.EMPTY, np.uint32)
     crcs = np.zeros(n, np.uint32)
     messages: dict[int, str] = {}
     carry_skips(previous, listing, s.wanted, state, messages)

@@ -198,9 +198,9 @@ def ycc_window(
     dy, dx = top - 2 * ct, left - 2 * cl
     luma = take("luma", size[0] * size[1]).reshape(size)
     # Only the box's pixels of the luma are read: the rest of the window (a margin of up to
-    # three pixels) is not returned. OpenCV's copy, not numpy's: it lets other threads run.
+    # three pixels) is not returned.
     y_top = top - rows_from[0]
-    cv2.copyTo(y[y_top : y_top + bh, left : left + bw], None, luma[dy : dy + bh, dx : dx + bw])
+    luma[dy : dy + bh, dx : dx + bw] = y[y_top : y_top + bh, left : left + bw]
     upsampled = []
     for name, plane in (("cr", cr), ("cb", cb)):
         up = take(name, size[0] * size[1]).reshape(size)

@@ -250,7 +250,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         pixels = shapes.prod(1)
         smallest, largest = (
             (int(height), int(width), int(channels))
-            for height, width, channels in (shapes[pixels.argmin()], shapes[pixels.argmax()])
+            for height, width, channels in (shapes[np.argmin(pixels)], shapes[np.argmax(pixels)])
         )
     paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in fmt.FILE_KINDS]
     stats = [p.stat() for p in paths]

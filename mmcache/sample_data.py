@@ -82,9 +82,8 @@ def _octave_noise(
     for cell in cells:
         small_shape = (height // cell + 2, width // cell + 2) + shape[2:]
         small = rng.standard_normal(small_shape, dtype=np.float32)
-        acc += cv2.resize(small, (width, height), dst=tmp, interpolation=cv2.INTER_CUBIC).reshape(
-            shape
-        )
+        resized = cv2.resize(small, (width, height), dst=tmp, interpolation=cv2.INTER_CUBIC)
+        np.add(acc, resized.reshape(shape), out=acc)
     return _normalise(acc)
 
 
@@ -298,7 +297,7 @@ def _render(
     light: np.ndarray = rng.uniform(0.65, 1.2, (2, 2)).astype(np.float32)
     light = cv2.resize(light, (sw, sh), dst=canvas.light, interpolation=cv2.INTER_LINEAR)
     light = light.reshape(sh, sw)
-    light *= 1.0 - np.float32(rng.uniform(0.0, 0.35)) * canvas.vignette
+    np.multiply(light, 1.0 - np.float32(rng.uniform(0.0, 0.35)) * canvas.vignette, out=light)
     light3 = cv2.cvtColor(light, cv2.COLOR_GRAY2BGR, dst=canvas.scene3).reshape(sh, sw, 3)
     cv2.multiply(scene, light3, dst=scene)
     # Coarse colour noise: hue and brightness blotches inside the flat shapes.

@@ -212,7 +212,7 @@ class QuasiRandomSampler(Sampler[int]):
         b = self.block_size
         n_blocks = -(-self.n // b)
         slots = np.arange(n_blocks * b, dtype=np.int64).reshape(n_blocks, b)
-        order = slots[rng.permutation(n_blocks)].ravel()
+        order: np.ndarray = slots[rng.permutation(n_blocks)].ravel()
         # A record's buffer: its block's place in the shuffled block order // buffer_blocks,
         # so buffers hold whole blocks even after the short last block.
         buffer = np.repeat(np.arange(n_blocks) // self.buffer_blocks, b)[order < self.n]
