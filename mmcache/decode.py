@@ -435,41 +435,50 @@ def broken_link_reason(path: str | os.PathLike[str]) -> str:
 
 
 _JPEG_SOI = b"\xff\xd8\xff"
-_JPEG_EOI, _JPEG_SOS = b"\xff\xd9", b"\xff\xda"
-_TAIL_CHUNK = 1 << 16
+# In entropy-coded data a FF is followed by 00 (a stuffed byte), a restart marker D0-D7 or more
+# fill FFs: the next other byte after a FF starts a marker.
+_NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 
 
 def jpeg_truncated(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a JPEG cut short: no end-of-image marker after its last scan.
+    """Whether ``path`` is a JPEG cut short: its segments end before the end-of-image marker.
 
     libjpeg decodes such a file without error ("Premature end of JPEG file"), the rest of the
-    image grey. Scan data holds no ``FF D9`` (a ``FF`` there is followed by ``00`` or a restart
-    marker), so the marker seen last from the end, ``FF D9`` or the start of a scan ``FF DA``,
-    tells. Reads the file backwards from its end, usually one chunk; False for other formats
-    and unreadable files (the decoder already judged those).
+    image grey. The segments are walked from the start of the file, their lengths skipping
+    their payloads (an EXIF thumbnail's own markers are inside one) and each scan's data
+    skipped to the next marker, so bytes after the end-of-image marker (a phone's appended
+    video, a vendor's trailer) are never read as the image's. False for other formats, for
+    files whose markers do not parse, and for unreadable files (the decoder judged those).
     """
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, _OPEN_FLAGS)  # non-blocking: a FIFO put in its place never hangs
+        try:
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+        finally:
+            os.close(fd)
     except OSError:
         return False
-    try:
-        if os.pread(fd, 3, 0) != _JPEG_SOI:
-            return False
-        end = os.fstat(fd).st_size
-        while end > 0:
-            start = max(0, end - _TAIL_CHUNK)
-            # One byte past the chunk (none at the end of the file): a marker split between
-            # two chunks is seen.
-            chunk = os.pread(fd, end - start + 1, start)
-            eoi, sos = chunk.rfind(_JPEG_EOI), chunk.rfind(_JPEG_SOS)
-            if eoi >= 0 or sos >= 0:
-                return sos > eoi
-            end = start
+    if not data.startswith(_JPEG_SOI):
         return False
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    pos, size = 2, len(data)
+    while pos + 2 <= size:
+        if data[pos] != 0xFF:
+            return False  # not where a marker belongs: malformed, the decoder's to judge
+        marker = data[pos + 1]
+        if marker == 0xD9:
+            return False  # the end of the image
+        if marker == 0xFF or 0xD0 <= marker <= 0xD7 or marker == 0x01:
+            pos += 1 if marker == 0xFF else 2  # a fill byte, or a marker without a length
+            continue
+        if pos + 4 > size:
+            return True
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:  # a scan: its entropy-coded data runs to the next marker
+            found = _NEXT_MARKER.search(data, pos)
+            if found is None:
+                return True
+            pos = found.start()
+    return True
 
 
 def _stat_key(path: str) -> tuple[int, int] | None:

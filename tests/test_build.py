@@ -104,6 +104,17 @@ def test_a_truncated_jpeg_is_skipped_as_truncated_by_default(cut_jpeg, tmp_path)
     assert not (tmp_path / "strict").exists()
 
 
+def test_a_whole_jpeg_with_bytes_after_its_end_is_not_truncated(tmp_path):
+    # A phone's appended video or a vendor's trailer: whatever follows the end-of-image marker
+    # (here a start-of-scan marker with no end after it) is not the image's.
+    src = tmp_path / "tail"
+    src.mkdir()
+    data = (TESTIMAGES / "flower.jpg").read_bytes()
+    (src / "tail.jpg").write_bytes(data + b"\x00\xff\xda\x00\x08 trailer bytes")
+    report = build_cache(src, tmp_path / "cache", workers=1, strict=True)
+    assert (report.images, report.skipped) == (1, [])
+
+
 def test_keep_truncated_keeps_it_with_its_warning_and_strict_accepts_it(cut_jpeg, tmp_path):
     report = build_cache(cut_jpeg, tmp_path / "cache", workers=1, keep_truncated=True)
     assert (report.images, report.skipped) == (2, [])
