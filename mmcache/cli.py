@@ -563,8 +563,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return _print_repair(repair)
     if not report.ok:
         print(
-            f"  `mmcache verify {report.cache} --repair` decodes the bad records again from the "
-            "source the cache was built from"
+            f"  `mmcache verify {_one_line(report.cache)} --repair` decodes the bad records again "
+            "from the source the cache was built from"
         )
     return 0 if report.ok else 1
 
@@ -573,18 +573,20 @@ def _print_repair(report) -> int:
     """``report`` (a ``mmcache.verify.RepairReport``) after the verification lines; the exit
     status: 0 when the cache is sound now."""
     for b in report.unrepaired[:50]:
-        print(f"  not repaired: record {b.index} {b.path}: {b.what}")
+        print(f"  not repaired: record {b.index} {_one_line(b.path)}: {_one_line(b.what)}")
     if report.repaired:
         print(
-            f"{report.cache}: {count(len(report.repaired), 'bad record')} repaired: decoded "
-            f"again from {report.source}, published as generation {report.generation}"
+            f"{_one_line(report.cache)}: {count(len(report.repaired), 'bad record')} repaired: "
+            f"decoded again from {_one_line(report.source)}, published as generation "
+            f"{report.generation}"
         )
     if report.unrepaired:
         print(
-            f"{report.cache}: {count(len(report.unrepaired), 'bad record')} left as "
+            f"{_one_line(report.cache)}: {count(len(report.unrepaired), 'bad record')} left as "
             "they were: their source files vanished, changed since the build or no longer "
-            f"decode. `mmcache build {report.source} {report.cache}` with the options the cache "
-            "was made with refreshes changed and vanished files; else delete and rebuild it"
+            f"decode. `mmcache build {_one_line(report.source)} {_one_line(report.cache)}` with "
+            "the options the cache was made with refreshes changed and vanished files; else "
+            "delete and rebuild it"
         )
     return 0 if report.ok else 1
 
@@ -647,7 +649,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     ]
     if len(info.skipped) > 20:
         lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
-    lines += [f"  warning {w['path']}: {w['reason']}" for w in info.warnings[:5]]
+    lines += [
+        f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}" for w in info.warnings[:5]
+    ]
     if len(info.warnings) > 5:
         lines.append(f"  ... and {len(info.warnings) - 5} more warnings (see manifest.json)")
     print("\n".join(lines))

@@ -394,10 +394,14 @@ def test_file_names_with_odd_bytes_keep_json_json_and_lines_lines(tmp_path, caps
     for name in odd:  # not images: skipped, so their names reach the summary and the manifest
         with open(os.fsencode(src) + b"/" + name, "wb") as f:
             f.write(b"not an image")
+    # the same image under a second class, by a name with an escape sequence: a warning line
+    (src / "b").mkdir()
+    os.symlink("../a/good.jpg", os.fsencode(src) + b"/b/\x1b[2Jlinked.jpg")
     assert main(["build", str(src), str(tmp_path / "c"), "--workers", "0"]) == 0
     build_out = capsys.readouterr().out
     assert main(["info", str(tmp_path / "c")]) == 0
     info_out = capsys.readouterr().out
+    assert "  warning b/\\x1b[2Jlinked.jpg: " in info_out
     for out in (build_out, info_out):
         skipped = [line for line in out.splitlines() if line.lstrip().startswith("skipped ")]
         assert len(skipped) == 2, out
