@@ -566,7 +566,12 @@ def redecode(
         overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
         appended_after=m.sizes["data"],
     )  # fmt: skip
-    check_free_space(m.path, disk_bytes({**m.sizes, "data": layout.data_bytes - start}))
+    check_free_space(
+        m.path,
+        disk_bytes({**m.sizes, "data": layout.data_bytes - start}),
+        advice="free some space there; the cache is unchanged (the repaired records are "
+        "appended to its data file)",
+    )
     failed: dict[int, str] = {}
     try:
         with discarded_on_failure(g):

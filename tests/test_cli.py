@@ -306,7 +306,16 @@ SPACE_CASES = {
         MemmapImageDataset(c, source=src))),
     "copy": ("copy", "copy_cache", lambda src, c, tmp: main(["copy", str(c), str(tmp / "d")])),
     "compact": ("compact", "compact_cache", lambda src, c, tmp: main(["compact", str(c)])),
+    "repair": ("verify", "repair_cache", lambda src, c, tmp: (
+        _flip_a_pixel(c), main(["verify", str(c), "--repair"]))[1]),
 }  # fmt: skip
+
+
+def _flip_a_pixel(cache: Path) -> None:
+    """Damage record 0's first byte, so a repair has a record to decode again."""
+    m = mmcache.format.read_manifest(cache)
+    with open(m.file("data"), "r+b") as f:
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
 
 
 @pytest.mark.parametrize("case", list(SPACE_CASES))
@@ -325,6 +334,8 @@ def test_a_full_disk_offers_only_options_its_command_accepts(
         message = str(e)
     assert "needs" in message and "free there" in message, message
     assert_offers_accepted(message, command, getattr(mmcache, function))
+    if case == "repair":  # a repair has no way to start anyway: a build's --force is not its
+        assert "force" not in message, message
 
 
 @pytest.mark.parametrize("through", ["cli", "dataset"])
