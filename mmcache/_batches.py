@@ -421,12 +421,11 @@ class Scratch:
     def __init__(self) -> None:
         self.rows = np.empty(0, np.uint8)
         self.numbers = np.empty(0, np.uint8)
-        # I420 crops: the box's window of each plane (chroma upsampled), converted, the box
+        # I420 crops: the box's window of each plane (chroma upsampled), merged, the box
         self.cr = np.empty(0, np.uint8)
         self.cb = np.empty(0, np.uint8)
         self.luma = np.empty(0, np.uint8)
         self.box = np.empty(0, np.uint8)
-        self.upsampled = np.empty(0, np.uint8)
         self.ycc = np.empty(0, np.uint8)
 
     def take(self, name: str, nbytes: int) -> np.ndarray:

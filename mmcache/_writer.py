@@ -338,7 +338,8 @@ def allocate(s: Session) -> Generation:
         layout = plan_layout(listing, request.options)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
     for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
-        messages.setdefault(i, _too_large(listing, i, request.options))
+        if i not in messages:  # (a skip carried over has its reason: no header read again)
+            messages[i] = _too_large(listing, i, request.options)
     gen = new_generation()
     appended_to = previous if appending else None
     g = Generation(

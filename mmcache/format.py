@@ -644,11 +644,8 @@ def validate_records(
     bad = (h < 1) | (h > MAX_SIDE) | (w < 1) | (w > MAX_SIDE) | (c < 1) | (c > MAX_CHANNELS)
     first_bad(bad, where, "height, width or channels out of range")
     layout = manifest.pixels
-    first_bad(
-        (c != 3) if layout != "rgb" else np.zeros(n, bool),
-        where,
-        f"channels is not 3 in a {layout} cache",
-    )
+    if layout != "rgb":
+        first_bad(c != 3, where, f"channels is not 3 in a {layout} cache")
     nbytes = record_nbytes(index, layout).astype(np.uint64)  # <= 2**42 within the bounds: exact
     off = index["offset"]
     first_bad(off % DATA_ALIGN != 0, where, f"offset not a multiple of {DATA_ALIGN}")

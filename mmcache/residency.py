@@ -254,6 +254,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         )
     paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in fmt.FILE_KINDS]
     stats = [p.stat() for p in paths]
+    garbage = garbage_bytes(files)
     ram = memory()
     return CacheInfo(
         cache=str(m.path),
@@ -263,8 +264,8 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         min_size=smallest,
         max_size=largest,
         data_bytes=m.sizes["data"],
-        live_bytes=m.sizes["data"] - garbage_bytes(files),
-        garbage_bytes=garbage_bytes(files),
+        live_bytes=m.sizes["data"] - garbage,
+        garbage_bytes=garbage,
         apparent_bytes=sum(s.st_size for s in stats),
         disk_bytes=sum(s.st_blocks * 512 for s in stats),
         format_version=m.format_version,

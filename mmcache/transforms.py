@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from . import pixels as px
-from ._interpolation import NAMES, OPENCV, RENAMED, interpolation_name
+from ._interpolation import OPENCV, RENAMED, interpolation_name
 
 __all__ = [
     "CenterCrop",
@@ -58,7 +58,6 @@ __all__ = [
     "resized_crop",
 ]
 
-INTERPOLATIONS = NAMES  # what ``interpolation`` takes (2.x's "linear" and "cubic" with a warning)
 # torchvision's RandomResizedCrop tries this many boxes before its fallback.
 TRIES = 10
 # Uniform numbers one sample's box and flip are drawn from: an area and a ratio per try, the
@@ -165,7 +164,8 @@ class _Crop:
     def draw(self, height: int, width: int) -> tuple[int, int, int, int]:
         """The box of one image of ``height`` x ``width``, drawn from torch's generator as
         ``__call__`` draws it (warning as it warns of upscaling)."""
-        self.warn_if_upscaling(np.array([[height, width]]), stacklevel=4)
+        if min(height, width) < self.short_side_needed():  # (the check alone, per sample)
+            self.warn_if_upscaling(np.array([[height, width]]), stacklevel=4)
         u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
         return self.box(height, width, u)
 

@@ -261,21 +261,20 @@ def _compare_source(
     known = {b.index for b in report.bad}
     with open(path, "rb") as f:
         for done, r in enumerate(records, 1):
-            src = root / files.path(int(r))
-            rec = index[r]
-            try:
-                st = src.stat()
-            except OSError:
-                st = None
-            if int(r) in known:
-                pass
-            elif st is None or (st.st_size, st.st_mtime_ns) != (
-                int(rec["source_size"]),
-                int(rec["source_mtime_ns"]),
-            ):
-                report.source_unavailable += 1  # missing or changed: stale, not damaged
-            else:
-                _compare_one(f, files, int(r), src, options, report)
+            if int(r) not in known:  # a record already found bad is not compared again
+                src = root / files.path(int(r))
+                rec = index[r]
+                try:
+                    st = src.stat()
+                except OSError:
+                    st = None
+                if st is None or (st.st_size, st.st_mtime_ns) != (
+                    int(rec["source_size"]),
+                    int(rec["source_mtime_ns"]),
+                ):
+                    report.source_unavailable += 1  # missing or changed: stale, not damaged
+                else:
+                    _compare_one(f, files, int(r), src, options, report)
             if progress is not None:
                 progress(report.checked + done, total)
 

@@ -342,3 +342,13 @@ def test_the_reader_s_names_on_the_dataset_are_deprecated_and_still_work(small_f
         assert len(ds.records.offsets) == len(ds) and ds.data_path == ds.reader.data_path
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ds.nope  # noqa: B018
+
+
+def test_mmcache_records_is_deprecated_and_still_the_reader_s_type(small_folder, tmp_path):
+    import mmcache
+
+    build_cache(small_folder, tmp_path / "c", workers=1)
+    with pytest.warns(DeprecationWarning, match="dataset.reader.records"):
+        records_type = mmcache.Records
+    assert isinstance(MemmapImageDataset(tmp_path / "c").reader.records, records_type)
+    assert "Records" not in mmcache.__all__
