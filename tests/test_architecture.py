@@ -112,7 +112,7 @@ def test_the_format_build_and_decode_parts_import_without_torch():
 
 
 def test_no_issue_numbers_in_code_output_or_docs():
-    places = [*PACKAGE.glob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    places = [*PACKAGE.glob("*.py"), *(ROOT / "tools").rglob("*.py"), *(ROOT / "docs").glob("*.md")]
     places.append(ROOT / "README.md")
     pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
     found = [

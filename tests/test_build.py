@@ -175,7 +175,7 @@ def _png_header(width: int, height: int) -> bytes:
 
 
 def test_the_default_pixel_limit_is_pillows(tmp_path, capsys):
-    # The README: --max-pixels "default 89,478,485, Pillow's decompression-bomb limit": an image
+    # docs/build.md: --max-pixels "default 89,478,485, Pillow's decompression-bomb limit": an image
     # of one pixel more is refused from its header; one of exactly that many is not (it is
     # decoded, and found undecodable: these two have no real pixel data).
     src = tmp_path / "src"
@@ -403,7 +403,7 @@ def _waiting_for_lock(pid: int, lock: Path) -> bool:
 
 
 def test_builds_of_one_cache_take_turns_on_the_lock(small_folder, tmp_path):
-    # The README: "Builds of one cache take a lock and run one after the other". The first build
+    # docs/build.md: "Builds of one cache take a lock and run one after the other". The first build
     # stops while decoding (holding the lock) until the test releases it; the second, of the same
     # source, must wait for the lock, and then find the first one's cache up to date.
     cache, flags = tmp_path / "cache", tmp_path / "flags"

@@ -67,7 +67,7 @@ def test_strict_fails_on_a_truncated_jpeg_unless_kept(testimages, tmp_path, caps
     assert main(kept) == 0
 
 
-# The README: a missing or empty source, no images, an unwritable destination, or a path that
+# docs/build.md: a missing or empty source, no images, an unwritable destination, or a path that
 # is not an mmcache cache: "one line, `mmcache: error: ...`, exit status 1". An option value out
 # of range is a usage error, exit status 2, as argparse gives for a malformed one.
 @pytest.mark.parametrize(

@@ -165,8 +165,8 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_cache(source, tmp_pat
 
 
 def test_a_hung_rank_fails_every_rank_after_the_dist_timeout(source, tmp_path):
-    # The README: "A rank that fails, dies or hangs fails the build on every rank with one line,
-    # and the previous cache stays intact"; --dist-timeout: "how long a rank may go silent
+    # docs/scaleout.md: "A rank that fails, dies or hangs fails the build on every rank with one
+    # line, and the previous cache stays intact"; --dist-timeout: "how long a rank may go silent
     # before the build fails". Rank 1 decodes its share, then hangs for ever instead of sending
     # it: with --dist-timeout 15, rank 0 must give up and say so in one line (a timeout not
     # applied would hang until torchrun's 180 s limit here), and torchrun then stops rank 1,
@@ -207,9 +207,9 @@ dist.destroy_process_group()
 
 
 def test_build_cache_from_python_under_a_process_group_builds_with_every_rank(source, tmp_path):
-    # The README: "From Python, build_cache does the same when a process group is initialised":
-    # each rank calls build_cache alone; together they build, with the three collective steps,
-    # the cache one process builds, and each rank gets the same report.
+    # docs/scaleout.md: "From Python, build_cache does the same when a process group is
+    # initialised": each rank calls build_cache alone; together they build, with the three
+    # collective steps, the cache one process builds, and each rank gets the same report.
     script = tmp_path / "train.py"
     script.write_text(PYTHON_BUILD)
     logs = tmp_path / "logs"  # each rank's stdout apart: torchrun's own may interleave them

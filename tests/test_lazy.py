@@ -502,7 +502,7 @@ def test_a_pickled_lazy_dataset_fills_in_the_new_process(src, tmp_path):
 
 
 def test_a_lazy_cache_refuses_to_start_without_the_free_space(tmp_path):
-    # The README: "a lazy cache refuse[s] to start when the destination lacks that space (one
+    # docs/plan.md: "a lazy cache refuse[s] to start when the destination lacks that space (one
     # line with both numbers; --force overrides)". Its data file is sparse, but it will fill.
     from conftest import tmpfs
 

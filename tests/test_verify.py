@@ -150,8 +150,8 @@ def test_a_record_marked_bad_in_a_built_cache_is_named(cache):
 
 
 def test_a_sample_is_1_percent_of_a_large_cache(tmp_path, capsys):
-    # The README: "verify --source: decode 1% of the source (at least 20 files)". 3,000 records:
-    # 30 files decoded and compared.
+    # docs/reliability.md: "verify --source: decode 1% of the source (at least 20 files)". 3,000
+    # records: 30 files decoded and compared.
     from conftest import write_image
 
     one = write_image(tmp_path / "one.png", 4, 4)

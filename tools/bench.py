@@ -7,7 +7,8 @@ a lazily filled one, ``BatchLoader``) plus a plain copy loop over the cache's re
 memory-copy limit), samples the memory of the process tree meanwhile, measures the build rate
 against the single-core decode rate and this machine's rate of writing pixels into a new file,
 and checks the project's targets; ``--parts training`` (``run_training_bench``, training.py)
-times RandomResizedCrop + flip into batches five ways. ``write_report`` writes results.md,
+times RandomResizedCrop + flip into batches seven ways (five on an RGB cache, two on a
+yuv420 cache of the same images). ``write_report`` writes results.md,
 results.json and chart.png; ``python tools/bench.py --help`` lists the options.
 """
 

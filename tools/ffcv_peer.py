@@ -123,7 +123,7 @@ def write_beton(cache: Cache, path: Path, workers: int) -> dict:
     start = time.perf_counter()
     writer.from_indexed_dataset(cache)
     # Flushed, as mmcache's build flushes its files: otherwise the first timed epochs run while
-    # the kernel writes the new file back (300 MB at the settings), and run slower.
+    # the kernel writes the new file back (300 MB at the bench's settings), and run slower.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -7,7 +7,7 @@ DataLoader (persistent workers) over
 - ``mmcache lazy``: ``MemmapImageDataset(cache, source=...)`` on a cache that does not exist
   yet, so epoch one decodes and fills it and epoch two reads it;
 
-and prints seconds and images per second per epoch. The issue's target: lazy epoch one within
+and prints seconds and images per second per epoch. The project's target: lazy epoch one within
 15% of a decoding epoch. Nothing is written anywhere but the work folder.
 
     PYTHONPATH=. python tools/lazy_epochs.py --images 2000 --workers 4
