@@ -8,7 +8,7 @@ into a small ring of preallocated buffers (numpy and OpenCV release the GIL duri
 and resizes), so a batch costs one memory copy, or one resize per image with ``crop``, and no
 allocation.
 
-With ``crop`` (``mmcache.RandomResizedCrop`` or ``CenterCrop``) records of any mix of shapes
+With ``crop`` (``mmcache.RandomResizedCrop`` or ``CenterResizedCrop``) records of any mix of shapes
 batch together: each thread takes a view of the record's box in the mapping (no copy of the
 record) and resizes it straight into its slot. Boxes and flips are a function of the seed, the
 epoch, the rank and each sample's position in the epoch, so the same seed gives the same batches
@@ -105,7 +105,7 @@ class BatchLoader:
             it cut short is read with ``pread``); only a truncation while a batch is being
             copied, after its check, still ends the process with SIGBUS, which ``"pread"``
             never does.
-        crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterCrop``: every record, of any
+        crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterResizedCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
             change the output size (progressive resizing); the buffers follow. An iteration
             whose crops upscale stored images (smaller than the output) warns, once per size.
@@ -169,7 +169,7 @@ class BatchLoader:
                 "transform/target_transform; crop with crop=, and transform the batches"
             )
         if crop is not None and not all(hasattr(crop, a) for a in ("boxes", "size", "draws")):
-            raise ValueError(f"crop must be mmcache.RandomResizedCrop or CenterCrop, got {crop!r}")
+            raise ValueError(f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle, self.sampler, self.seed = shuffle, sampler, seed
