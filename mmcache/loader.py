@@ -169,7 +169,9 @@ class BatchLoader:
                 "transform/target_transform; crop with crop=, and transform the batches"
             )
         if crop is not None and not all(hasattr(crop, a) for a in ("boxes", "size", "draws")):
-            raise ValueError(f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}")
+            raise ValueError(
+                f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle, self.sampler, self.seed = shuffle, sampler, seed
