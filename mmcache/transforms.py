@@ -1,4 +1,4 @@
-"""Crops for training and validation with torchvision's names and box sampling, on HWC arrays.
+"""Crops and flips with torchvision's names and box sampling, on HWC arrays and their targets.
 
 ``RandomResizedCrop`` draws its boxes with torchvision's algorithm exactly (up to 10 tries of an
 area fraction uniform in ``scale`` and an aspect ratio log-uniform in ``ratio``, each kept if it
@@ -16,6 +16,25 @@ random draws from torch's generator, which the DataLoader seeds per worker, as t
 transforms do), and inside ``BatchLoader(crop=...)``, which draws boxes for a whole batch from
 uniform numbers that are a function of its seed, the epoch and each sample's position, and
 resizes each box of the record straight into its slot of a reused batch buffer.
+
+The crops, the flip and ``Compose`` also take an ``(image, target)`` pair, as torchvision's
+transforms v2 take a detection or segmentation sample, and return ``(image, target)``: the
+image as they return it alone (from the same random draws: a seeded run crops an image
+identically with or without its target), and the target moved with it, a new dict (the
+caller's dict and arrays are left as they are) of
+
+- ``"mask"``: an H x W integer label map (uint8, uint16, ...) aligned with the image: cut to
+  the same box and resized by nearest neighbour with the image's geometry (each output pixel
+  takes the label under its centre, as torch's ``"nearest-exact"``), mirrored with it;
+- ``"boxes"``: (N, 4) float32 ``x1, y1, x2, y2`` in the image's pixels, continuous (the image
+  spans [0, W] x [0, H]): shifted and scaled as the box is resized, clipped to the output, and
+  dropped when no width or height is left; mirrored, ``x1, x2`` become ``W - x2, W - x1``;
+- the values of ``PER_BOX_KEYS`` (``"labels"``, ``"iscrowd"``, ``"area"``), one row per box:
+  a dropped box's row goes with it, as torchvision v2's ``SanitizeBoundingBoxes`` drops its
+  ``labels_getter``'s (``"area"`` is not recomputed);
+- anything else as it was (keypoints among them: nothing here moves them).
+
+A target that is not a dict (a class index) passes through as it is.
 
 Interpolations have torchvision's names, the build's too (``"nearest"``, ``"bilinear"``,
 ``"bicubic"``, plus ``"area"`` and ``"lanczos"``), and resizing is torchvision's by default
@@ -48,6 +67,8 @@ import torch
 
 from . import pixels as px
 from ._interpolation import OPENCV, RENAMED, interpolation_name
+from ._targets import PER_BOX_KEYS as PER_BOX_KEYS  # (named in the module docstring)
+from ._targets import flip_target, resized_target
 
 __all__ = [
     "CenterCrop",
@@ -169,18 +190,38 @@ class _Crop:
         u = torch.rand(self.draws, dtype=torch.float64).tolist() if self.draws else ()
         return self.box(height, width, u)
 
-    def __call__(self, img: np.ndarray) -> np.ndarray:
-        """The crop of one H x W x C array, resized to ``size`` (a new array)."""
+    def __call__(self, sample: Any) -> Any:
+        """The crop of one H x W x C array, resized to ``size`` (a new array); of an
+        ``(image, target)`` pair, ``(that crop, the target moved with it)`` (see the module
+        docstring), from the same random draws."""
+        img, target = _unpaired(sample)
         box = self.draw(*img.shape[:2])
-        return resized_crop(img, box, self.size, self.interpolation, antialias=self.antialias)
+        out = resized_crop(img, box, self.size, self.interpolation, antialias=self.antialias)
+        if target is _NO_TARGET:
+            return out
+        return out, self.crop_target(box, img.shape[:2], target)
+
+    def crop_target(self, box: Sequence[int], image_hw: tuple[int, int], target: Any) -> Any:
+        """``target`` (a dict: see the module docstring) of an image of ``image_hw``
+        (height, width) moved as this crop moves the image's pixels to the ``box``
+        ``(top, left, height, width)`` (one ``draw`` returned) resized to ``size``: a new
+        dict. A target that is not a dict (a class index) is returned as it is."""
+        return resized_target(target, box, image_hw, self.size)
 
     def crop_planes(
-        self, y: np.ndarray, cb: np.ndarray, cr: np.ndarray, color: str = "rgb"
+        self,
+        y: np.ndarray,
+        cb: np.ndarray,
+        cr: np.ndarray,
+        color: str = "rgb",
+        box: Sequence[int] | None = None,
     ) -> np.ndarray:
         """What ``__call__`` returns for the image of I420 planes (``pixels``), in ``color``,
-        converting only the box: the same pixels, drawn the same way."""
+        converting only the box: the same pixels, drawn the same way. ``box``: the box to
+        take (one ``draw`` returned, to move a target with ``crop_target``), else drawn."""
         height, width = y.shape
-        box = self.draw(height, width)
+        if box is None:
+            box = self.draw(height, width)
         out = np.empty((*self.size, 3), np.uint8)
 
         def resize(src: np.ndarray, dst: np.ndarray) -> None:
@@ -304,19 +345,25 @@ class CenterCrop(CenterResizedCrop):
 
 
 class RandomHorizontalFlip:
-    """Mirror an H x W x C array left to right with probability ``p`` (torch's generator)."""
+    """Mirror an H x W x C array, or an ``(image, target)`` pair (see the module docstring),
+    left to right with probability ``p`` (torch's generator, one number per call)."""
 
     def __init__(self, p: float = 0.5) -> None:
         self.p = float(p)
 
-    def __call__(self, img: np.ndarray) -> np.ndarray:
+    def __call__(self, sample: Any) -> Any:
+        img, target = _unpaired(sample)
         if torch.rand(1).item() < self.p:
-            return cv2.flip(img, 1).reshape(img.shape)  # (cv2 drops a single channel's axis)
-        return img
+            if target is not _NO_TARGET:
+                target = flip_target(target, img.shape[1])
+            img = cv2.flip(img, 1).reshape(img.shape)  # (cv2 drops a single channel's axis)
+        return img if target is _NO_TARGET else (img, target)
 
 
 class Compose:
-    """Apply ``transforms`` in order (picklable, so it crosses to spawned DataLoader workers)."""
+    """Apply ``transforms`` in order (picklable, so it crosses to spawned DataLoader workers).
+    Each receives what the one before returned: an image, or an ``(image, target)`` pair,
+    which mmcache's crops and flip take, and a function of the image alone does not."""
 
     def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
         self.transforms = list(transforms)
@@ -325,6 +372,21 @@ class Compose:
         for t in self.transforms:
             x = t(x)
         return x
+
+
+# What ``_unpaired`` says of a sample that is an image alone (None may be a target).
+_NO_TARGET: Any = object()
+
+
+def _unpaired(sample: Any) -> tuple[np.ndarray, Any]:
+    """``(image, target)`` of an ``(image, target)`` tuple, ``(image, _NO_TARGET)`` of an image."""
+    if not isinstance(sample, tuple):
+        return sample, _NO_TARGET
+    if len(sample) != 2:
+        raise ValueError(
+            f"a transform takes an image or an (image, target) pair, got a tuple of {len(sample)}"
+        )
+    return sample[0], sample[1]
 
 
 def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:
