@@ -247,6 +247,7 @@ class RandomResizedCrop(_Crop):
     Examples:
         >>> crop = RandomResizedCrop(224)
         >>> ds = MemmapImageDataset("cache/train", transform=crop)  # doctest: +SKIP
+        >>> image, target = crop((image, {"mask": mask, "boxes": boxes}))  # doctest: +SKIP
         >>> batches = BatchLoader(plain, 256, shuffle=True, crop=crop, flip=True)  # doctest: +SKIP
     """
 
