@@ -38,7 +38,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
         files = fmt.read_cache_files(fmt.read_manifest(folder))
         remove_stale_generations(folder, files)
         m = files.manifest
-        nbytes = fmt.record_nbytes(files.index, m.pixels)
+        nbytes = fmt.record_nbytes(files.index, m.pixels, m.mask)
         offsets, data_bytes = layout_offsets(nbytes)
         gen = new_generation()
         sizes = {**m.sizes, "data": data_bytes}
@@ -80,7 +80,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
 def copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) -> int:
     """Copy each FILLED record of ``files`` to its new offset in ``data_path``; bytes copied."""
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
-    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
+    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels, files.manifest.mask)
     src = os.open(files.manifest.file("data"), os.O_RDONLY)
     dst = os.open(data_path, os.O_WRONLY)
     try:

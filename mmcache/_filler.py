@@ -16,6 +16,7 @@ import numpy as np
 from . import format as fmt
 from . import pixels as px
 from ._files import write_pixels, write_state
+from .annotations import MASK_PATH, MASK_STAT
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
 from .space import disk_full_error
@@ -58,6 +59,7 @@ class RecordFiller:
             int(r["source_size"]),
             int(r["source_mtime_ns"]),
             self.options,
+            mask=self.mask_file(i),
         )
         if pixels is not None and px.image_shape(pixels) != self.files.shape(i):
             # The header promised another size (a lying header, an orientation the probe read
@@ -79,6 +81,22 @@ class RecordFiller:
                 raise full from None
             raise
         return code, pixels
+
+    def mask_file(self, i: int) -> tuple[str, int, int] | None:
+        """Record ``i``'s mask ``(path, size, mtime_ns)`` as recorded, if records carry masks.
+
+        Raises:
+            CacheFormatError: the recorded mask path could lead outside the masks folder.
+        """
+        files = self.files
+        root = files.manifest.source.get("masks")
+        if self.options.mask is None or not root or MASK_PATH not in files.fields:
+            return None
+        rel = files.field_rows(MASK_PATH, i).tobytes().decode("utf-8", "surrogateescape")
+        if fmt.check_relative_path(rel) is not None:
+            raise CacheFormatError(f"{files.manifest.path}: unsafe mask path {rel!r}")
+        size, mtime = (int(v) for v in files.field_rows(MASK_STAT, i).reshape(2))
+        return os.path.join(root, rel), size, mtime
 
     def close(self) -> None:
         while self.fds:

@@ -28,6 +28,7 @@ from .errors import CacheError, DestinationError, NotACacheError
 from .format import (
     BAD_REASONS,
     DATA_ALIGN,
+    FIELDS_KIND,
     FILE_KINDS,
     FILLED,
     INDEX_DTYPE,
@@ -59,11 +60,14 @@ def write_generation(
     paths_blob: bytes,
     data_bytes: int,
     data_generation: str | None = None,
+    fields_blob: bytes | None = None,
 ) -> dict[str, int]:
-    """Write a generation's index, state and paths files, cut its data file (its own, or
-    ``data_generation``'s that it shares) to ``data_bytes``, and flush all four to disk;
-    returns the file sizes the manifest records."""
+    """Write a generation's index, state and paths files (and its ``fields`` file, if
+    ``fields_blob``), cut its data file (its own, or ``data_generation``'s that it shares) to
+    ``data_bytes``, and flush them all to disk; returns the file sizes the manifest records."""
     blobs = {"index": index.tobytes(), "state": state.tobytes(), "paths": paths_blob}
+    if fields_blob is not None:
+        blobs[FIELDS_KIND] = fields_blob
     for kind, blob in blobs.items():
         with open(folder / file_name(kind, generation), "wb") as f:
             f.write(blob)
@@ -97,13 +101,33 @@ def index_records(
     return index, b"".join(paths)
 
 
+def fields_file(specs: list[dict[str, Any]], values: list[list[np.ndarray]]) -> bytes:
+    """The content of a ``fields`` file (``mmcache.format``): for each field of ``specs``, the
+    arrays of ``values`` (one per record, each of the field's row shape), in order."""
+    parts = []
+    for spec, arrays in zip(specs, values):
+        row = np.dtype((np.dtype(spec["dtype"]), tuple(spec["shape"][1:])))
+        counts = np.array([len(a) for a in arrays], np.int64)
+        starts = np.zeros(len(arrays) + 1, "<u8")
+        starts[1:] = np.cumsum(counts)
+        shape = (-1, *row.shape)
+        data = (
+            np.concatenate([np.asarray(a, row.base).reshape(shape) for a in arrays])
+            if len(arrays) and counts.sum()
+            else np.zeros((0, *row.shape), row.base)
+        )
+        blob = data.tobytes()
+        parts += [starts.tobytes(), blob, bytes(-len(blob) % 8)]
+    return b"".join(parts)
+
+
 def manifest_json(manifest: Manifest) -> dict[str, Any]:
     """``manifest``'s JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
     return {
         "magic": MAGIC,
-        "format_version": list(version_for(manifest.pixels)),
+        "format_version": list(version_for(manifest)),
         "generation": manifest.generation,
-        "files": {kind: manifest.file(kind).name for kind in FILE_KINDS},
+        "files": {kind: manifest.file(kind).name for kind in manifest.file_kinds},
         "sizes": manifest.sizes,
         "count": manifest.count,
         "index_dtype": dtype_descr(INDEX_DTYPE),
@@ -116,6 +140,7 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
         "warnings": manifest.warnings,
         "fingerprints": manifest.fingerprints,
         "decoder": manifest.decoder,
+        **({"fields": manifest.fields} if manifest.fields else {}),
         **manifest.extra,
     }
 
@@ -128,7 +153,8 @@ def write_manifest(manifest: Manifest) -> None:
     """
     folder = manifest.path
     m = manifest_json(manifest)
-    m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in ("index", "paths")}
+    summed = [kind for kind in manifest.file_kinds if kind not in ("state", "data")]
+    m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in summed}
     m["checksums"]["manifest"] = manifest_checksum(m)
     tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"
     try:
@@ -142,7 +168,7 @@ def write_manifest(manifest: Manifest) -> None:
             os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
         raise
     manifest.checksums = m["checksums"]
-    manifest.format_version = version_for(manifest.pixels)
+    manifest.format_version = version_for(manifest)
     fsync_dir(folder)
 
 
@@ -209,7 +235,7 @@ def published_generation(folder: Path) -> str | None:
 def remove_generation(folder: Path, generation: str) -> None:
     """Delete the files named after ``generation`` (those that are there): a generation that
     was being written when its writer failed. A data file it appended to is not its own."""
-    for kind in FILE_KINDS:
+    for kind in (*FILE_KINDS, FIELDS_KIND):
         with suppress(FileNotFoundError):
             os.unlink(folder / file_name(kind, generation))
 
@@ -217,7 +243,7 @@ def remove_generation(folder: Path, generation: str) -> None:
 def retire(previous: Manifest, current: Manifest) -> None:
     """Delete ``previous``'s files once ``current`` is published: its index, state and paths,
     and its data file unless ``current``'s records lie in it too."""
-    for kind in FILE_KINDS:
+    for kind in previous.file_kinds:
         if kind != "data" or previous.file("data") != current.file("data"):
             with suppress(FileNotFoundError):
                 os.unlink(previous.file(kind))
@@ -230,7 +256,7 @@ def remove_stale_generations(folder: Path, current: CacheFiles | None) -> None:
     being written then, and no generation of a longer data file is published)."""
     keep = {MANIFEST_NAME, LOCK_NAME}
     if current is not None:
-        keep |= {current.manifest.file(kind).name for kind in FILE_KINDS}
+        keep |= {current.manifest.file(kind).name for kind in current.manifest.file_kinds}
     for name in os.listdir(folder):  # generation files, and manifests half written
         if is_cache_file_name(name) and name not in keep:
             with suppress(FileNotFoundError):
@@ -307,5 +333,5 @@ def garbage_bytes(files: CacheFiles) -> int:
     replaced or removed); 0 after a first build or a compaction."""
     size = files.manifest.sizes["data"]
     index = files.index
-    nbytes = record_nbytes(index, files.manifest.pixels)
+    nbytes = record_nbytes(index, files.manifest.pixels, files.manifest.mask)
     return max(0, size - live_bytes(index["offset"], nbytes, size))

@@ -30,12 +30,13 @@ class Layout:
     state: np.ndarray  # fmt codes: EMPTY = to decode, BAD_* = refused before decoding
     pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
     record_layout: str = "rgb"  # how records store their pixels (Options.pixels)
+    mask: str | None = None  # the dtype of each record's mask, if records carry one
 
     @property
     def nbytes(self) -> np.ndarray:
         """Each record's size in the data file (0 if unknown)."""
         height, width, channels = self.shapes.T
-        return px.record_nbytes(height, width, channels, self.record_layout)
+        return px.record_nbytes(height, width, channels, self.record_layout, self.mask)
 
     def shape(self, i: int) -> tuple[int, int, int]:
         """Record ``i``'s (height, width, channels) (zeros if unknown from the header)."""
@@ -112,7 +113,7 @@ def append_layout(
         shapes[added], state[added], pixels[added] = part.shapes, part.state, part.pixels
         offsets[added] = part.offsets + np.uint64(start)
         data_bytes = start + part.data_bytes if part.data_bytes else base
-    return Layout(shapes, offsets, data_bytes, state, pixels, opts.pixels)
+    return Layout(shapes, offsets, data_bytes, state, pixels, opts.pixels, opts.mask)
 
 
 def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
@@ -133,6 +134,8 @@ def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
         keys, inverse = np.unique(hw[ok, 0] << 32 | hw[ok, 1], return_inverse=True)
         shaped = np.array([opts.output_shape(int(k >> 32), int(k & 0xFFFFFFFF)) for k in keys])
         shapes[ok] = shaped.reshape(-1, 3)[inverse.reshape(-1)]
-    layout = Layout(shapes, np.zeros(n, np.uint64), 0, state, hw[:, 0] * hw[:, 1], opts.pixels)
+    layout = Layout(
+        shapes, np.zeros(n, np.uint64), 0, state, hw[:, 0] * hw[:, 1], opts.pixels, opts.mask
+    )
     layout.offsets, layout.data_bytes = layout_offsets(layout.nbytes)
     return layout

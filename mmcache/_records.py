@@ -19,6 +19,7 @@ import zlib
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class RecordReader:
         self.records = Records(
             offsets=index["offset"].astype(np.int64),
             shapes=fmt.record_shapes(index),
-            nbytes=fmt.record_nbytes(index, files.manifest.pixels),
+            nbytes=fmt.record_nbytes(index, files.manifest.pixels, files.manifest.mask),
             labels=index["label"].astype(np.int64),
         )
         self.data_path = files.manifest.file("data")
@@ -218,6 +219,24 @@ class RecordReader:
         """A stored record as an H x W x C image (I420 converted to the cache's color)."""
         return px.to_image(stored, self.color)
 
+    @property
+    def annotated(self) -> bool:
+        """Whether records carry annotations (a mask, fields): reads give ``(image, target)``."""
+        return self.manifest.annotated
+
+    def target(self, i: int, stored: np.ndarray) -> dict[str, Any]:
+        """Record ``i``'s annotations, torchvision's way: ``"mask"`` (H x W, the stored
+        record's own, from ``stored``), and each field (``"boxes"``, ``"labels"``, ...: copies
+        of its rows), as the cache has them."""
+        target: dict[str, Any] = {}
+        mask = px.mask_part(stored)
+        if mask is not None:
+            target["mask"] = mask
+        for name in self.files.fields:
+            if not name.startswith("_"):  # mmcache's own (where each mask came from)
+                target[name] = self.files.field_rows(name, i).copy()
+        return target
+
     def planes(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The stored (Y, Cb, Cr) planes of record ``i`` of a planar cache (views).
 
@@ -251,7 +270,7 @@ class RecordReader:
         if exact:
             pages.madvise(mmap.MADV_RANDOM)
         flat = np.frombuffer(pages, np.uint8, n, off - start)
-        return px.stored_view(flat, self.shapes[i], self.pixels)
+        return px.stored_view(flat, self.shapes[i], self.pixels, self.manifest.mask)
 
     def reads_exactly(self) -> bool:
         """Whether a record's pages are read exactly, because the data file does not fit in

@@ -18,6 +18,7 @@ from . import format as fmt
 from . import pixels as px
 from ._files import copy_range
 from ._layout import Layout
+from .annotations import MASK_PATH, MASK_STAT
 from .scan import Listing
 
 
@@ -75,9 +76,24 @@ def _unchanged(previous: fmt.CacheFiles, listing: Listing, candidates) -> dict[i
         if j is not None and (
             int(old[j]["source_size"]) == int(listing.sizes[i])
             and int(old[j]["source_mtime_ns"]) == int(listing.mtimes[i])
+            and _same_mask(previous, j, listing, i)
         ):
             found[i] = j
     return found
+
+
+def _same_mask(previous: fmt.CacheFiles, j: int, listing: Listing, i: int) -> bool:
+    """Whether listed image ``i``'s mask is the one previous record ``j`` was made with (the
+    same file, size and mtime), or neither has one."""
+    a = listing.annotations
+    mine = None if a is None else a.mask_file(i)
+    if MASK_STAT not in previous.fields:
+        return mine is None
+    if mine is None:
+        return False
+    rel = previous.field_rows(MASK_PATH, j).tobytes().decode("utf-8", "surrogateescape")
+    stat = tuple(int(v) for v in previous.field_rows(MASK_STAT, j).reshape(2))
+    return a is not None and rel == a.mask_paths[i] and stat == mine[1:]
 
 
 def carry_skips(
@@ -93,7 +109,9 @@ def carry_skips(
     stats = {
         e["path"]: (e.get("size"), e.get("mtime_ns"), e["reason"], e.get("state"))
         for e in previous.manifest.skipped
-        if e.get("state") != fmt.BAD_SOURCE_CHANGED  # it may be whole now: decode it again
+        # A file that changed may be whole now, and a mask may have come or been fixed: tried
+        # again.
+        if e.get("state") not in (fmt.BAD_SOURCE_CHANGED, fmt.BAD_MASK)
     }
     for i, rel in enumerate(listing.paths):
         old = stats.get(rel)
@@ -124,7 +142,7 @@ def copy_reused(
             shape = previous.shape(j)
             if shape != layout.shape(i):
                 continue  # the header now predicts another size: decode it again
-            nbytes = int(px.record_nbytes(*shape, layout.record_layout))
+            nbytes = int(px.record_nbytes(*shape, layout.record_layout, layout.mask))
             copy_range(src_fd, dst_fd, int(old[j]["offset"]), int(layout.offsets[i]), nbytes)
             crcs[i] = previous.state[j]["crc32"]
             state[i] = fmt.FILLED

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
+from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
 from .scan import Listing, diff_listings, scan_source
 
@@ -26,7 +27,20 @@ def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
         "listing": listing.fingerprint(),
         "options": opts.fingerprint(),
         "decoder": decoder_fingerprint(),
+        **(listing.annotations.fingerprints() if listing.annotations is not None else {}),
     }
+
+
+def rescan(m: fmt.Manifest) -> Listing:
+    """The source cache ``m`` was made from, scanned now, with the masks and COCO file it
+    records (the user's arrays, which it cannot find again, left out).
+
+    Raises:
+        SourceError: as ``scan_source`` and ``annotate``.
+    """
+    listing = scan_source(recorded_source(m))
+    listing.annotations = annotate(listing, m.source.get("masks"), m.source.get("coco"))
+    return listing
 
 
 def to_match(m: fmt.Manifest, current: dict[str, str], trust: bool = False) -> dict[str, str]:
@@ -108,7 +122,7 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
         source = recorded_source(m)
         if source and Path(source).exists():
             try:
-                listing = scan_source(source)
+                listing = rescan(m)
             except Exception as e:  # a source that now fails to scan has changed, in a way
                 reasons.append(f"the source cannot be scanned ({e})")
     if listing is not None:
@@ -116,7 +130,14 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
             reasons.append(f"it was made from {recorded_source(m)}, not {source_of(listing)}")
         elif listing.fingerprint() != m.fingerprints.get("listing"):
             reasons.append("the source changed: " + _diff_summary(files, listing))
+        elif _annotations_fingerprint(listing) != m.fingerprints.get("annotations"):
+            reasons.append("its masks or COCO annotations changed")
     return "; ".join(reasons) or None
+
+
+def _annotations_fingerprint(listing: Listing) -> str | None:
+    a = listing.annotations
+    return None if a is None else a.fingerprints().get("annotations")
 
 
 def rebuild_advice(m: fmt.Manifest) -> str:
@@ -126,7 +147,10 @@ def rebuild_advice(m: fmt.Manifest) -> str:
     except (TypeError, ValueError):
         flags = ""
     how = "made" if m.mode == "lazy" else "built"
-    command = f"mmcache build {recorded_source(m)} {m.path}" + (f" {flags}" if flags else "")
+    paired = "".join(f" --{k} {m.source[k]}" for k in ("masks", "coco") if m.source.get(k))
+    command = f"mmcache build {recorded_source(m)} {m.path}{paired}" + (
+        f" {flags}" if flags else ""
+    )
     return f"it was {how} with {flags or 'the default options'}; `{command}` updates it"
 
 

@@ -60,13 +60,15 @@ class Job(NamedTuple):
     shape: tuple[int, int, int]  # (height, width, channels) planned from the file's header
     size: int  # the file's size when listed, in bytes
     mtime_ns: int  # the file's modification time when listed
+    # Its mask's (absolute path, size, mtime_ns) as listed, when records carry masks.
+    mask: tuple[str, int, int] | None = None
 
     @property
     def end(self) -> int:
         """Where the record's pixels end at most: ``offset`` + height * width * channels (a
-        planar record is smaller)."""
+        planar record is smaller), and its mask's, as 16-bit values, after them."""
         h, w, c = self.shape
-        return self.offset + h * w * c
+        return self.offset + h * w * c + (px.MASK_ALIGN + 2 * h * w if self.mask else 0)
 
 
 class Result(NamedTuple):
@@ -412,7 +414,9 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pa
 
 
 def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Result:
-    code, crc, message, pixels = decode_record(job.path, job.size, job.mtime_ns, opts, capture)
+    code, crc, message, pixels = decode_record(
+        job.path, job.size, job.mtime_ns, opts, capture, job.mask
+    )
     if code != fmt.FILLED:
         return Result(job.record, code, 0, message, None)
     assert pixels is not None  # a FILLED record comes with its pixels

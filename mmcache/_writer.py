@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -28,6 +28,7 @@ from . import pixels as px
 from ._feedback import human_bytes
 from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
+    fields_file,
     found_bad,
     index_records,
     live_bytes,
@@ -55,6 +56,7 @@ from ._staleness import (
 )
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
+from .annotations import annotate, recorded_annotations
 from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
 from .errors import (
     CacheFormatError,
@@ -103,6 +105,11 @@ class BuildRequest:
     lazy: bool = False
     compact_at: float = COMPACT_AT
     source_moved: bool = False
+    # What the images are paired with (``mmcache.annotations``): a masks folder, a COCO file,
+    # the user's arrays by relative path.
+    masks: str | os.PathLike | None = None
+    coco: str | os.PathLike | None = None
+    fields: Mapping[str, Mapping[str, Any]] | None = None
 
 
 @dataclass
@@ -134,6 +141,8 @@ def session(request: BuildRequest) -> Iterator[Session]:
     """
     source, opts = request.source, request.options
     listing = source if isinstance(source, Listing) else scan_source(source)
+    if request.masks is not None or request.coco is not None or request.fields:
+        listing.annotations = annotate(listing, request.masks, request.coco, request.fields)
     folder = Path(request.cache).expanduser().absolute()
     created = prepare_folder(folder)
     try:
@@ -279,6 +288,7 @@ class Generation:
     def jobs(self, records: Iterable[int]) -> list[list[Job]]:
         """Decode jobs for ``records``, in the chunks the workers take."""
         listing, layout = self.listing, self.layout
+        annotations = listing.annotations
         return chunked(
             [
                 Job(
@@ -288,6 +298,7 @@ class Generation:
                     shape=layout.shape(i),
                     size=int(listing.sizes[i]),
                     mtime_ns=int(listing.mtimes[i]),
+                    mask=None if annotations is None else annotations.mask_file(i),
                 )
                 for i in records
             ]
@@ -337,6 +348,11 @@ def allocate(s: Session) -> Generation:
     if layout is None:
         layout = plan_layout(listing, request.options)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
+    if listing.annotations is not None:
+        for i in np.flatnonzero(state == fmt.EMPTY).tolist():
+            missing = listing.annotations.missing_mask(i)
+            if missing is not None:  # known now: no decoding, no place in the data file
+                state[i], messages[i] = fmt.BAD_MASK, missing
     for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
         if i not in messages:  # (a skip carried over has its reason: no header read again)
             messages[i] = _too_large(listing, i, request.options)
@@ -418,7 +434,16 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     records = np.zeros(len(keep), fmt.STATE_DTYPE)
     records["crc32"], records["state"] = g.crcs[keep], state[keep]
-    sizes = write_generation(g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen)
+    annotations = listing.annotations
+    specs = annotations.specs() if annotations is not None else []
+    blob = (
+        fields_file(specs, annotations.values(keep, layout.shapes[keep]))
+        if annotations is not None and specs
+        else None
+    )
+    sizes = write_generation(
+        g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen, blob
+    )
     manifest = fmt.Manifest(
         path=g.folder,
         generation=g.gen,
@@ -433,6 +458,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         fingerprints=s.current,
         decoder=decoder_versions(),
         sizes=sizes,
+        fields=specs,
         extra={
             "mmcache_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -597,8 +623,12 @@ def redecode(
             index["height"], index["width"], index["channels"] = layout.shapes.T
             state = np.zeros(n, fmt.STATE_DTYPE)
             state["crc32"], state["state"] = g.crcs, g.state
+            annotations = g.listing.annotations
+            blob = None
+            if m.fields and annotations is not None:
+                blob = fields_file(m.fields, annotations.values(np.arange(n), layout.shapes))
             sizes = write_generation(
-                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen
+                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen, blob
             )
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
             manifest = fmt.Manifest(**{**vars(m), "generation": g.gen, "sizes": sizes,
@@ -621,6 +651,7 @@ def _recorded_listing(files: fmt.CacheFiles) -> Listing:
         labels=files.index["label"].astype(np.int64),
         sizes=files.index["source_size"].astype(np.int64),
         mtimes=files.index["source_mtime_ns"].astype(np.int64),
+        annotations=recorded_annotations(files),
     )
 
 
@@ -631,10 +662,10 @@ def _layout_after(files: fmt.CacheFiles, todo: list[int]) -> tuple[Layout, int]:
     shapes = fmt.record_shapes(files.index)
     offsets = files.index["offset"].astype(np.uint64)
     start = aligned(m.sizes["data"])
-    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels)[todo])
+    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels, m.mask)[todo])
     offsets[todo] = moved + np.uint64(start)
-    layout = Layout(shapes, offsets, start + end,
-                    files.state["state"].copy(), np.zeros(n, np.int64), m.pixels)  # fmt: skip
+    state = files.state["state"].copy()
+    layout = Layout(shapes, offsets, start + end, state, np.zeros(n, np.int64), m.pixels, m.mask)
     return layout, start
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from . import _writer as writer
@@ -50,6 +51,9 @@ def build_cache(
     compact_at: float = writer.COMPACT_AT,
     distributed: bool | None = None,
     dist_timeout: float = writer.DIST_TIMEOUT,
+    masks: str | os.PathLike | None = None,
+    coco: str | os.PathLike | None = None,
+    fields: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
@@ -84,10 +88,17 @@ def build_cache(
             getting the same report or error; ``None``: if the group has over one process.
         dist_timeout: in a distributed build, seconds a rank waits for the others at each step
             (rank 0 planning, the slowest share) before the build fails.
+        masks: a folder of segmentation masks, one per image at the same relative path and
+            stem (``mmcache.annotations``): each record stores its mask, resized with it.
+            8-bit unless ``mask="uint16"``.
+        coco: a COCO ``instances.json``: each record stores its boxes (in the stored image's
+            pixels), labels and crowd flags.
+        fields: the user's own arrays, ``{name: {path relative to the source: array}}``,
+            one dtype and row shape per name (rows may vary: ``(n, *row)``).
         **options: the preprocessing, the fields of ``Options`` (which says what each does):
             ``size=(height, width)`` or ``max_side`` or ``short_side``, ``interpolation``,
-            ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``, ``keep_truncated``.
-            Default: native size, RGB.
+            ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``, ``keep_truncated``,
+            ``mask``. Default: native size, RGB.
 
     Examples:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
@@ -107,9 +118,9 @@ def build_cache(
         TypeError, ValueError: an unknown or an invalid preprocessing option.
     """
     request = writer.BuildRequest(
-        source, cache, Options(**options), workers=workers, strict=strict, progress=progress,
-        force=force, trust_decoder=trust_decoder, replace=replace, compact_at=compact_at,
-        source_moved=source_moved,
+        source, cache, _options(options, masks), workers=workers, strict=strict,
+        progress=progress, force=force, trust_decoder=trust_decoder, replace=replace,
+        compact_at=compact_at, source_moved=source_moved, masks=masks, coco=coco, fields=fields,
     )  # fmt: skip
     if _in_process_group(distributed):
         from .distributed import build_distributed
@@ -128,6 +139,9 @@ def create_lazy_cache(
     replace: bool = False,
     source_moved: bool = False,
     compact_at: float = writer.COMPACT_AT,
+    masks: str | os.PathLike | None = None,
+    coco: str | os.PathLike | None = None,
+    fields: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> BuildReport:
     """Create a lazy cache of ``source`` at once, without decoding: records fill on first read.
@@ -151,10 +165,23 @@ def create_lazy_cache(
         NotACacheError, DestinationError, InsufficientSpaceError: as ``build_cache``.
     """
     request = writer.BuildRequest(
-        source, cache, Options(**options), workers=workers, progress=progress, force=force,
-        replace=replace, lazy=True, compact_at=compact_at, source_moved=source_moved,
+        source, cache, _options(options, masks), workers=workers, progress=progress,
+        force=force, replace=replace, lazy=True, compact_at=compact_at,
+        source_moved=source_moved, masks=masks, coco=coco, fields=fields,
     )  # fmt: skip
     return _build_here(request)
+
+
+def _options(options: dict[str, Any], masks: str | os.PathLike | None) -> Options:
+    """The preprocessing ``Options`` of a build: with ``masks``, records carry 8-bit masks
+    unless ``mask`` says 16; ``mask`` without ``masks`` has no masks to store."""
+    if masks is not None:
+        options = {"mask": "uint8", **options}
+        if options["mask"] is None:
+            raise ValueError("mask=None: a build with masks= stores them as uint8 or uint16")
+    elif options.get("mask") is not None:
+        raise ValueError(f"mask={options['mask']!r} needs masks= (the folder of the masks)")
+    return Options(**options)
 
 
 def compact_cache(cache: str | os.PathLike) -> BuildReport:

@@ -341,8 +341,11 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
             args.source,
             args.cache,
             progress=bar,
+            masks=args.masks,
+            coco=args.coco,
             **{name: getattr(args, name) for name in (*settings, "dist_timeout")},
             **_preprocessing_kwargs(args),
+            **({"mask": args.mask_dtype} if args.mask_dtype else {}),
         )
     finally:
         if bar is not None:
@@ -805,6 +808,24 @@ def _add_build(cmds: _Commands) -> None:
         help="keep a cache made by another decoder version instead of decoding it again",
     )
     b.add_argument(
+        "--masks",
+        metavar="MASKS",
+        help="segmentation masks: a folder with a label map per image at the same relative "
+        "path and stem (VOC, ADE20K), stored with each image and resized with it",
+    )
+    b.add_argument(
+        "--mask-dtype",
+        choices=["uint8", "uint16"],
+        default=None,
+        help="how masks are stored (default uint8; uint16 for over 256 classes)",
+    )
+    b.add_argument(
+        "--coco",
+        metavar="JSON",
+        help="COCO detection annotations (instances.json): each image's boxes, labels and "
+        "crowd flags, stored in the stored image's pixels",
+    )
+    b.add_argument(
         "--dist-timeout",
         type=float,
         default=DIST_TIMEOUT,
@@ -914,6 +935,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "mask_dtype", None) and not args.masks:
+        print("mmcache: error: --mask-dtype needs --masks MASKS", file=sys.stderr)
+        return 2
     if getattr(args, "pixels", "rgb") != "rgb" and getattr(args, "color", None) == "gray":
         print(
             f"mmcache: error: --pixels {args.pixels} stores colour (luma and half-size chroma) "

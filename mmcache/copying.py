@@ -73,7 +73,7 @@ def copy_cache(
     # Open the four files now: a rebuild of ``src`` that replaces them cannot pull them away.
     fds: dict[str, int] = {}
     try:
-        for kind in fmt.FILE_KINDS:
+        for kind in m.file_kinds:
             try:
                 fds[kind] = os.open(m.file(kind), os.O_RDONLY)
             except FileNotFoundError:
@@ -121,8 +121,8 @@ def _copy_generation(
 ) -> tuple[int, int, fmt.Manifest]:
     """Copy, flush and verify the four files as a new generation; its manifest, unpublished."""
     m = files.manifest
-    regions = {kind: _data_regions(fds[kind], m.sizes[kind]) for kind in fmt.FILE_KINDS}
-    sizes = {kind: sum(n for _, n in regions[kind]) for kind in fmt.FILE_KINDS}
+    regions = {kind: _data_regions(fds[kind], m.sizes[kind]) for kind in m.file_kinds}
+    sizes = {kind: sum(n for _, n in regions[kind]) for kind in m.file_kinds}
     total = sum(sizes.values())
     check_free_space(  # the holes skipped take no space
         folder, disk_bytes(sizes), advice="free some space there or copy to another disk"
@@ -132,7 +132,8 @@ def _copy_generation(
     with discarded_on_failure(folder, gen, "nothing was published"):
         # The state file before the data: a lazy cache being filled marks a record FILLED only
         # after writing its pixels, so every record FILLED in the copied state is in the copy.
-        for kind in ("index", "paths", "state", "data"):
+        first = [kind for kind in m.file_kinds if kind not in ("state", "data")]
+        for kind in (*first, "state", "data"):
             dst = create_generation_file(folder, kind, gen, m.sizes[kind])  # holes stay
             try:
                 for offset, length in regions[kind]:
@@ -182,6 +183,10 @@ def _verify(source: fmt.CacheFiles, copy: fmt.Manifest) -> int:
     for kind, ours, theirs in (
         ("index", files.index.tobytes(), source.index.tobytes()),
         ("paths", files.paths_blob, source.paths_blob),
+        *[
+            (fmt.FIELDS_KIND, files.fields[name][1].tobytes(), source.fields[name][1].tobytes())
+            for name in source.fields
+        ],
     ):
         if ours != theirs:
             raise CacheFormatError(f"{copy.file(kind)}: differs from the source's; not published")

@@ -29,7 +29,8 @@ from torch.utils.data import Dataset
 from . import format as fmt
 from . import pixels as px
 from ._records import RecordReader, open_reader
-from ._staleness import rebuild_advice, recorded_source, same_options, same_source, stale_reason
+from ._staleness import rebuild_advice, rescan, same_options, same_source, stale_reason
+from .annotations import annotate
 from .build import build_cache, create_lazy_cache
 from .decode import Options
 from .errors import (
@@ -58,6 +59,15 @@ class MemmapImageDataset(Dataset):
     stored, passed through ``transform``; ``label`` an int, through ``target_transform``. A cache
     built with ``pixels="yuv420"`` stores planar I420: each image is converted back to RGB (BGR)
     as it is read, and ``planes(i)`` gives the stored planes instead (``docs/pixels.md``).
+
+    A cache with annotations (built with ``masks=``, ``coco=`` or ``fields=``) gives
+    ``(image, target)`` with ``target`` a dict, as torchvision's segmentation and detection
+    datasets wrapped for transforms v2 do: ``"mask"`` (H x W, uint8 or uint16), ``"boxes"``
+    (N x 4 float32 x1, y1, x2, y2 in the image's pixels), ``"labels"`` (N int64),
+    ``"iscrowd"`` (N uint8) and the user's fields, as present; ``transform`` is then called
+    with the pair and returns one (mmcache's crops, flip and ``Compose`` move masks and boxes
+    with the image). Boxes vary in number: a DataLoader needs a ``collate_fn`` that keeps them
+    a list (``lambda batch: tuple(zip(*batch))``), as torchvision's detection references do.
 
     Lazy mode: given ``source`` (and the build's preprocessing options), a missing cache is
     created at once without decoding, and each record is decoded and stored the first time any
@@ -130,6 +140,8 @@ class MemmapImageDataset(Dataset):
         warm: bool | str | int = False,
         replace: bool = False,
         source_moved: bool = False,
+        masks: str | os.PathLike | None = None,
+        coco: str | os.PathLike | None = None,
         **options: Any,
     ) -> None:
         if on_stale not in ON_STALE:
@@ -138,11 +150,15 @@ class MemmapImageDataset(Dataset):
             raise ValueError(f"on_bad must be one of {', '.join(ON_BAD)}, got {on_bad!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be None or 'first-read', got {verify!r}")
-        if source is None and options:
+        if source is None and (options or masks is not None or coco is not None):
+            given = [*options, *(["masks"] if masks else []), *(["coco"] if coco else [])]
             raise ValueError(
-                f"preprocessing options ({', '.join(options)}) apply only with source= (lazy "
-                "mode); a built cache keeps the options it was built with"
+                f"preprocessing options and annotations ({', '.join(given)}) apply only with "
+                "source= (lazy mode); a built cache keeps those it was built with"
             )
+        if masks is not None:
+            options = {"mask": "uint8", **options}
+        self._masks, self._coco = masks, coco
         self.cache = Path(cache).expanduser().absolute()
         self.transform = transform
         self.target_transform = target_transform
@@ -180,11 +196,14 @@ class MemmapImageDataset(Dataset):
                     self.cache,
                     replace=replace,
                     source_moved=source_moved,
+                    masks=self._masks,
+                    coco=self._coco,
                     **asdict(options),
                 )
                 return fmt.open_cache(self.cache)
             if on_stale != "ignore":
                 listing = scan_source(source)
+                listing.annotations = annotate(listing, self._masks, self._coco)
         assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
@@ -205,7 +224,7 @@ class MemmapImageDataset(Dataset):
         """Bring a stale cache up to date the way it was made: built caches by a build."""
         m = files.manifest
         if listing is None:
-            listing = scan_source(recorded_source(m))
+            listing = rescan(m)
         kwargs = asdict(options if options is not None else Options.from_json(m.options))
         update = build_cache if m.mode == "build" else create_lazy_cache
         update(listing, self.cache, **kwargs)
@@ -293,16 +312,23 @@ class MemmapImageDataset(Dataset):
                     f"{reader.bad(i)}; pass on_bad='substitute' to read the next image instead"
                 )
             i, stored = self._substitute(i)
+        target: Any = reader.target(i, stored) if reader.annotated else int(reader.labels[i])
         # An I420 record under one of mmcache's crops: only the box is converted (the same
         # pixels as cropping the converted image, drawn the same way).
-        crop, transform = leading_crop(self.transform) if stored.dtype.names else (None, None)
+        crop, transform = leading_crop(self.transform) if reader.pixels != "rgb" else (None, None)
         if crop is not None:
-            img = crop.crop_planes(*px.planes(stored), reader.color)
+            height, width = px.image_shape(stored)[:2]
+            box = crop.draw(height, width)
+            img = crop.crop_planes(*px.planes(stored), reader.color, box=box)
+            if reader.annotated:
+                target = crop.crop_target(box, (height, width), target)
         else:
             img, transform = reader.image(stored), self.transform
-        target = int(reader.labels[i])
         if transform is not None:
-            img = transform(img)
+            if reader.annotated:  # torchvision's detection and segmentation transforms' way
+                img, target = transform((img, target))
+            else:
+                img = transform(img)
         if self.target_transform is not None:
             target = self.target_transform(target)
         return img, target

@@ -33,6 +33,7 @@ import numpy as np
 from . import format as fmt
 from . import pixels as px
 from ._interpolation import NAMES, OPENCV, from_stored, interpolation_name, to_stored
+from .annotations import mask_record
 from .errors import DecodeError
 from .probe import probe_size, sniff_format
 
@@ -83,6 +84,8 @@ class Options:
     or copy cut short) decodes without error, the missing part grey, so by default it is refused
     as ``"truncated"``; this keeps it, as its decoded pixels. Other formats cut short do not
     decode at all.
+    ``mask``: the dtype each record's segmentation mask is stored in (``"uint8"`` or
+    ``"uint16"``), set by a build with masks (``masks=``); None: records carry no mask.
     """
 
     size: tuple[int, int] | None = None
@@ -94,6 +97,7 @@ class Options:
     reduced_decode: bool = False
     pixels: str = "rgb"
     keep_truncated: bool = False
+    mask: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -114,6 +118,7 @@ class Options:
         if self.color not in COLORS:
             raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
         px.check_layout(self.pixels)
+        px.check_mask(self.mask)
         if self.pixels != "rgb" and self.color == "gray":
             raise ValueError(
                 f"pixels={self.pixels!r} stores colour (luma and half-size chroma) and "
@@ -136,6 +141,8 @@ class Options:
                 del d[name]
         if self.pixels == "rgb":
             del d["pixels"]
+        if self.mask is None:
+            del d["mask"]
         return d
 
     @classmethod
@@ -166,6 +173,8 @@ class Options:
             words.append(f"--pixels {self.pixels}")
         if self.keep_truncated:
             words.append("--keep-truncated")
+        if self.mask not in (None, "uint8"):
+            words.append(f"--mask-dtype {self.mask}")
         return " ".join(words)
 
     def describe(self) -> str:
@@ -375,8 +384,13 @@ def decode_record(
     mtime_ns: int,
     opts: Options,
     capture: StderrCapture | None = None,
+    mask: tuple[str, int, int] | None = None,
 ) -> tuple[int, int, str, np.ndarray | None]:
     """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
+
+    ``mask``: the ``(path, size, mtime_ns)`` of its mask as listed, for a cache whose records
+    carry masks (``opts.mask``): the record is then the pixels with the mask
+    (``annotations.mask_record``), or ``BAD_MASK`` with the reason.
 
     The file must have the size and mtime it was listed with, before and after decoding, or it
     is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
@@ -414,6 +428,11 @@ def decode_record(
         return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
     if pixels is None:  # truncated
         return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
+    if mask is not None and opts.mask is not None:
+        record = mask_record(pixels, mask, native, opts.mask)
+        if isinstance(record, tuple):
+            return record[0], 0, record[1], None
+        pixels = record
     return fmt.FILLED, zlib.crc32(pixels.data), message, pixels
 
 

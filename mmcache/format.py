@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the code that reads and checks its files.
 
-Format version 3.0
+Format version 4.0
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -20,7 +20,9 @@ A cache is one folder; move or copy it as a unit. Its files:
       misread, hence the new major. 3.0 differs from 2.0 only in that records may be stored in
       another pixel layout than RGB (``options["pixels"]``, below), which a 2.x reader would
       misread: writers write 3.0 for a cache whose layout is not ``"rgb"`` and 2.0 for an RGB
-      cache, which 2.x readers read as ever.
+      cache, which 2.x readers read as ever. 4.0 differs from 3.0 only in that records may carry
+      annotations (a mask in the data file, ``"fields"`` in a side file, below), which a 3.x
+      reader would leave out: writers write 4.0 only for a cache that has them.
     - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
       maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
       to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
@@ -39,7 +41,15 @@ A cache is one folder; move or copy it as a unit. Its files:
       whose decoder complained but produced an image.
     - ``"fingerprints"``: ``{"listing", "options", "decoder"}``, hex SHA-256 digests; ``"decoder"``
       also records the decoder versions; ``"mmcache_version"``, ``"created"``.
-    - ``"checksums"`` (1.1, REQUIRED from 1.1 on): ``{"index", "paths", "manifest"}``, zlib CRC-32s
+    - ``"fields"`` (4.x): the per-record arrays of the ``fields`` file, a list of ``{"name",
+      "dtype", "shape"}`` (and, for class numbers, ``"classes"``: their names), in the file's
+      order. ``name``: letters, digits and ``_``, unique (a leading ``_`` marks mmcache's own,
+      which readers do not return: ``_mask_path``, ``_mask_stat``); ``dtype``: one of
+      ``FIELD_DTYPES``; ``shape``: ``[rows, *tail]``, the shape of one record's array, ``rows``
+      -1 when it varies per record (boxes) or the fixed count. ``options["mask"]`` (4.x):
+      ``"uint8"`` or ``"uint16"`` when each record carries a mask (below).
+    - ``"checksums"`` (1.1, REQUIRED from 1.1 on): ``{"index", "paths", "manifest"}`` (and
+      ``"fields"`` in a cache that has the file), zlib CRC-32s
       of the index file, of the paths file, and of the manifest itself: of its JSON object without
       ``"checksums"``, written as ``json.dumps(m, sort_keys=True, separators=(",", ":"))``. A
       reader MUST refuse a cache whose checksums do not match. They catch accidental damage (any
@@ -71,12 +81,25 @@ A cache is one folder; move or copy it as a unit. Its files:
     never absolute nor with an empty, ``.`` or ``..`` part: it cannot name a file outside the
     source root.
 
+``fields-<generation>.bin`` (4.x, when ``"fields"`` is not empty)
+    For each field in the manifest's order: N + 1 ``<u8`` row numbers (``starts``: record i's
+    rows are ``starts[i]`` to ``starts[i + 1]``; ``starts[0]`` is 0 and they never decrease),
+    then ``starts[N]`` rows of ``dtype`` and ``shape[1:]``, then zeros to the next multiple of 8
+    bytes. Nothing follows the last field. A field of fixed ``rows`` has exactly that many
+    rows per record. Boxes are ``boxes`` (rows of x1, y1, x2, y2, ``<f4``, in the stored
+    image's pixels, which span [0, width] x [0, height]) with per-box ``labels`` and
+    ``iscrowd``.
+
 ``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
     H x W x C, in layout ``"rgb"``. In layout ``"yuv420"`` (channels 3) it is
     ``height * width + 2 * ceil(height / 2) * ceil(width / 2)`` bytes: planar I420, the Y plane
     (height x width), then Cb, then Cr (each ceil(height / 2) x ceil(width / 2)), BT.601 full
-    range as JFIF; ``mmcache.pixels`` states the chroma and odd-size rules. Records do not
+    range as JFIF; ``mmcache.pixels`` states the chroma and odd-size rules. With
+    ``options["mask"]``, the image's bytes are followed, from the record's next multiple of 8
+    (zeros between), by its mask: height x width values of that dtype, little-endian, row-major
+    (a segmentation label map, aligned with the image); the record's CRC-32 covers it all.
+    Records do not
     overlap; they need not be in index order. A record covers its
     pixels and the padding after them up to the next multiple of ``DATA_ALIGN`` (or to
     ``sizes["data"]``, whichever comes first); bytes that no record of this generation covers
@@ -138,9 +161,10 @@ from ._checks import (
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = [
-    "BAD_HEADER_MISMATCH", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
-    "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FILE_KINDS",
-    "FILLED", "FORMAT_VERSION", "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME",
+    "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
+    "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FIELDS_KIND",
+    "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FORMAT_VERSION", "INDEX_DTYPE", "LOCK_NAME", "MAGIC",
+    "MANIFEST_NAME",
     "MAX_CHANNELS", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE",
     "Manifest", "READS_MAJORS", "STATE_DTYPE", "check_relative_path", "dtype_descr",
     "file_name", "is_cache_file_name", "is_generation_file_name", "manifest_checksum",
@@ -149,18 +173,31 @@ __all__ = [
 ]  # fmt: skip
 
 MAGIC = "mmcache"
-FORMAT_VERSION = (3, 0)
+FORMAT_VERSION = (4, 0)
 # What RGB caches are written as: 3.0 adds only the other layouts, and 2.x readers read 2.0.
 RGB_FORMAT_VERSION = (2, 0)
-# Majors this reader reads: 1.x is 2.0 without shared data files, 2.x is 3.0 in RGB only.
-READS_MAJORS = (1, 2, 3)
+# What caches without annotations in another layout than RGB are written as.
+LAYOUTS_FORMAT_VERSION = (3, 0)
+# Majors this reader reads: 1.x is 2.0 without shared data files, 2.x is 3.0 in RGB only, 3.x
+# is 4.0 without annotations.
+READS_MAJORS = (1, 2, 3, 4)
 # The first version whose records may be stored in another layout than RGB.
 LAYOUTS_SINCE = (3, 0)
+# The first version whose records may carry annotations (a mask, fields).
+FIELDS_SINCE = (4, 0)
 # The first version whose manifests MUST carry "checksums".
 CHECKSUMS_SINCE = (1, 1)
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
+# The side file of a cache with fields (4.x).
+FIELDS_KIND = "fields"
+# The dtypes a field may have: little-endian integers and floats.
+FIELD_DTYPES = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f4", "<f8")
+# Bounds on a field's description: its name, its dimensions, the values of one row.
+MAX_FIELD_NAME = 64
+MAX_FIELD_DIMS = 4
+MAX_ROW_VALUES = 1 << 20
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
 # what a hostile manifest can make us allocate.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -201,12 +238,14 @@ BAD_HEADER_MISMATCH = 3
 BAD_TOO_LARGE = 4
 BAD_SOURCE_CHANGED = 5
 BAD_TRUNCATED = 6
+BAD_MASK = 7
 BAD_REASONS = {
     BAD_UNDECODABLE: "the decoder could not read it",
     BAD_HEADER_MISMATCH: "its header disagrees with its decoded size",
     BAD_TOO_LARGE: "it has more pixels than the limit",
     BAD_SOURCE_CHANGED: "it changed or vanished since it was listed",
     BAD_TRUNCATED: "truncated: the file ends before its image data does",
+    BAD_MASK: "its mask is missing, unreadable, or does not fit it",
 }
 
 
@@ -223,20 +262,24 @@ def record_shapes(index: np.ndarray) -> np.ndarray:
     return np.stack([index["height"], index["width"], index["channels"]], 1).astype(np.int64)
 
 
-def record_nbytes(index: np.ndarray, layout: str) -> np.ndarray:
+def record_nbytes(index: np.ndarray, layout: str, mask: str | None = None) -> np.ndarray:
     """int64 array of every record's size in the data file, stored in ``layout`` (a
-    manifest's ``pixels``): height * width * channels for RGB."""
+    manifest's ``pixels``) with a ``mask`` of that dtype if given (its ``mask``):
+    height * width * channels for RGB without a mask."""
     return px.record_nbytes(
         index["height"].astype(np.int64),
         index["width"].astype(np.int64),
         index["channels"].astype(np.int64),
         layout,
+        mask,
     )
 
 
-def version_for(layout: str) -> tuple[int, int]:
-    """The format version a cache of records in ``layout`` is written as (see the spec)."""
-    return RGB_FORMAT_VERSION if layout == "rgb" else FORMAT_VERSION
+def version_for(manifest: Manifest) -> tuple[int, int]:
+    """The format version ``manifest``'s cache is written as (see the spec)."""
+    if manifest.annotated:
+        return FORMAT_VERSION
+    return RGB_FORMAT_VERSION if manifest.pixels == "rgb" else LAYOUTS_FORMAT_VERSION
 
 
 def file_name(kind: str, generation: str) -> str:
@@ -253,10 +296,12 @@ def is_cache_file_name(name: str) -> bool:
 
 
 def is_generation_file_name(name: str) -> bool:
-    """Whether a folder entry is one of the four files of a generation (``data-<gen>.bin``...)."""
+    """Whether a folder entry is one of the files of a generation (``data-<gen>.bin``...)."""
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
-    return kind in FILE_KINDS and ext == "bin" and len(gen) == 16 and is_hex(gen)
+    return (
+        kind in (*FILE_KINDS, FIELDS_KIND) and ext == "bin" and len(gen) == 16 and is_hex(gen)
+    )
 
 
 @dataclass
@@ -282,6 +327,8 @@ class Manifest:
     format_version: tuple[int, int] = FORMAT_VERSION
     # The generation whose data file this one's records lie in: its own, or an earlier one's.
     data_generation: str = ""
+    # The ``fields`` file's arrays, as ``{"name", "dtype", "shape"[, "classes"]}`` (4.x).
+    fields: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.data_generation = self.data_generation or self.generation
@@ -294,6 +341,21 @@ class Manifest:
     def pixels(self) -> str:
         """The record layout, ``"rgb"`` or ``"yuv420"`` (``mmcache.pixels``)."""
         return self.options.get("pixels", "rgb")
+
+    @property
+    def mask(self) -> str | None:
+        """The dtype of each record's mask, ``"uint8"`` or ``"uint16"``; None: no masks."""
+        return self.options.get("mask")
+
+    @property
+    def annotated(self) -> bool:
+        """Whether records carry annotations (a mask, fields): a 4.x cache."""
+        return self.mask is not None or bool(self.fields)
+
+    @property
+    def file_kinds(self) -> tuple[str, ...]:
+        """The kinds of this generation's files: ``FILE_KINDS``, and ``fields`` if it has any."""
+        return (*FILE_KINDS, FIELDS_KIND) if self.fields else FILE_KINDS
 
     @property
     def shares_data(self) -> bool:
@@ -326,7 +388,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     mpath = folder / MANIFEST_NAME
     m = _load_manifest_json(folder, mpath)
     version = _check_version(m, mpath)
-    checksums = _check_manifest_checksum(m, version, mpath)
+    checksums = _check_manifest_checksum(m, version, mpath, FIELDS_KIND in (m.get("files") or {}))
     # Values from the file: Any until each is checked.
     gen: Any = m.get("generation")
     expect(isinstance(gen, str) and len(gen) == 16 and is_hex(gen), mpath, "bad generation id")
@@ -334,7 +396,8 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     expect(is_int(count, 0, 1 << 40), mpath, f"bad count {count!r}")
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the version-1 layout")
-    data_gen, sizes = _check_files(m, gen, count, version, mpath)
+    fields = _check_fields(m.get("fields", []), version, mpath)
+    data_gen, sizes = _check_files(m, gen, count, version, mpath, bool(fields))
     mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
     classes = _check_classes(m.get("classes"), count, mpath)
@@ -352,7 +415,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder", "checksums",
+        "fingerprints", "decoder", "checksums", "fields",
     }  # fmt: skip
     return Manifest(
         path=folder,
@@ -371,6 +434,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         checksums=checksums,
         format_version=version,
         data_generation=data_gen,
+        fields=fields,
     )
 
 
@@ -416,14 +480,21 @@ def _check_version(m: dict[str, Any], mpath: Path) -> tuple[int, int]:
 
 
 def _check_files(
-    m: dict[str, Any], gen: str, count: int, version: tuple[int, int], mpath: Path
+    m: dict[str, Any],
+    gen: str,
+    count: int,
+    version: tuple[int, int],
+    mpath: Path,
+    has_fields: bool,
 ) -> tuple[str, dict[str, int]]:
-    """The generation whose data file holds the records, and the four files' sizes."""
+    """The generation whose data file holds the records, and the files' sizes."""
     files: Any = m.get("files")
+    own = (*FILE_KINDS[:3], FIELDS_KIND) if has_fields else FILE_KINDS[:3]
+    kinds = (*FILE_KINDS, FIELDS_KIND) if has_fields else FILE_KINDS
     expect(
         isinstance(files, dict)
-        and set(files) == set(FILE_KINDS)
-        and all(files[kind] == file_name(kind, gen) for kind in FILE_KINDS[:3]),
+        and set(files) == set(kinds)
+        and all(files[kind] == file_name(kind, gen) for kind in own),
         mpath,
         "file names do not match the generation",
     )
@@ -438,7 +509,7 @@ def _check_files(
     sizes: Any = m.get("sizes")
     expect(
         isinstance(sizes, dict)
-        and set(sizes) == set(FILE_KINDS)
+        and set(sizes) == set(kinds)
         and all(is_int(v, 0, MAX_FILE_BYTES) for v in sizes.values()),
         mpath,
         "bad file sizes",
@@ -491,18 +562,19 @@ def _data_generation(name: Any) -> str | None:
 
 
 def _check_manifest_checksum(
-    m: dict[str, Any], version: tuple[int, int], mpath: Path
+    m: dict[str, Any], version: tuple[int, int], mpath: Path, has_fields: bool
 ) -> dict[str, int] | None:
     """The manifest's checksums after checking its own; None for a 1.0 manifest without them."""
     checksums = m.get("checksums")
     if checksums is None and version < CHECKSUMS_SINCE:
         return None
+    expected = {"index", "paths", "manifest"} | ({FIELDS_KIND} if has_fields else set())
     expect(
         isinstance(checksums, dict)
-        and set(checksums) == {"index", "paths", "manifest"}
+        and set(checksums) == expected
         and all(is_int(v, 0, 1 << 32) for v in checksums.values()),
         mpath,
-        "checksums missing or malformed (expected {index, paths, manifest} CRC-32s)",
+        f"checksums missing or malformed (expected {{{', '.join(sorted(expected))}}} CRC-32s)",
     )
     assert isinstance(checksums, dict)  # checked above: narrows the type
     try:
@@ -530,6 +602,50 @@ def _check_source(source: dict[str, Any], mpath: Path) -> None:
         )
 
 
+def _check_fields(fields: Any, version: tuple[int, int], mpath: Path) -> list[dict[str, Any]]:
+    """The descriptions of the ``fields`` file's arrays (see the spec)."""
+    expect(isinstance(fields, list), mpath, "fields must be a list")
+    expect(
+        not fields or version >= FIELDS_SINCE,
+        mpath,
+        f"format version {version[0]}.{version[1]} cannot hold fields: the manifest was "
+        "damaged or edited; rebuild the cache",
+    )
+    names = set()
+    for f in fields:
+        expect(isinstance(f, dict) and set(f) <= {"name", "dtype", "shape", "classes"}, mpath,
+               "a field must be {name, dtype, shape[, classes]}")  # fmt: skip
+        name, shape = f.get("name"), f.get("shape")
+        expect(
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_FIELD_NAME
+            and name.isascii()
+            and name.replace("_", "a").isalnum()
+            and name not in names,
+            mpath,
+            f"field name {name!r} is not unique letters, digits and _",
+        )
+        names.add(name)
+        expect(f.get("dtype") in FIELD_DTYPES, mpath, f"field {name}: unknown dtype")
+        expect(
+            isinstance(shape, list)
+            and 1 <= len(shape) <= MAX_FIELD_DIMS
+            and is_int(shape[0], -1, 1 << 20)
+            and all(is_int(v, 1, MAX_ROW_VALUES) for v in shape[1:])
+            and int(np.prod(shape[1:])) <= MAX_ROW_VALUES,
+            mpath,
+            f"field {name}: shape must be [rows or -1, *tail] of positive sizes",
+        )
+        if "classes" in f:
+            _check_classes(f["classes"], 0, mpath)
+    return fields
+
+
+def field_row_dtype(spec: dict[str, Any]) -> np.dtype:
+    """The dtype of one row of a field (``shape[1:]`` values of its ``dtype``)."""
+    return np.dtype((np.dtype(spec["dtype"]), tuple(spec["shape"][1:])))
+
+
 def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path) -> None:
     """The record layout is one this reader knows, and one the declared version allows."""
     layout = options.get("pixels", "rgb")
@@ -544,6 +660,13 @@ def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path
         mpath,
         f"format version {version[0]}.{version[1]} cannot hold {layout!r} records (only "
         f"{LAYOUTS_SINCE[0]}.x can): the manifest was damaged or edited; rebuild the cache",
+    )
+    mask = options.get("mask")
+    expect(
+        mask is None or (mask in px.MASKS and version >= FIELDS_SINCE),
+        mpath,
+        f"records carry masks of {mask!r}, which format {version[0]}.{version[1]} and this "
+        "mmcache do not know; upgrade mmcache or rebuild the cache",
     )
 
 
@@ -565,6 +688,13 @@ class CacheFiles:
     index: np.ndarray
     state: np.ndarray
     paths_blob: bytes
+    # Each field's (starts, rows): record i's rows are rows[starts[i]:starts[i + 1]].
+    fields: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def field_rows(self, name: str, i: int) -> np.ndarray:
+        """Record ``i``'s rows of field ``name`` (a read-only view)."""
+        starts, rows = self.fields[name]
+        return rows[int(starts[i]) : int(starts[i + 1])]
 
     def path(self, i: int) -> str:
         r = self.index[i]
@@ -592,7 +722,7 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
         CacheFormatError: naming the first inconsistency found.
     """
     sizes = manifest.sizes
-    for kind in FILE_KINDS:
+    for kind in manifest.file_kinds:
         p = manifest.file(kind)
         try:
             st = p.stat()
@@ -608,9 +738,10 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
                 f"is {st.st_size} bytes, the manifest says {sizes[kind]}: the file is truncated "
                 "or was not fully written",
             )
-    blobs = {kind: read_exactly(manifest.file(kind), sizes[kind]) for kind in FILE_KINDS[:3]}
+    small = [kind for kind in manifest.file_kinds if kind != "data"]
+    blobs = {kind: read_exactly(manifest.file(kind), sizes[kind]) for kind in small}
     if manifest.checksums is not None:
-        for kind in ("index", "paths"):
+        for kind in [kind for kind in small if kind != "state"]:
             actual = zlib.crc32(blobs[kind])
             expect(
                 actual == manifest.checksums[kind],
@@ -623,7 +754,40 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     state = np.frombuffer(blobs["state"], dtype=STATE_DTYPE)
     paths_blob = bytes(blobs["paths"])
     validate_records(manifest, index, state, paths_blob)
-    return CacheFiles(manifest, index, state, paths_blob)
+    fields = read_fields(manifest, bytes(blobs[FIELDS_KIND])) if manifest.fields else {}
+    return CacheFiles(manifest, index, state, paths_blob, fields)
+
+
+def read_fields(manifest: Manifest, blob: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The arrays of a ``fields`` file's content, checked against the manifest's descriptions
+    (see the spec): row numbers in order and within the file, fixed counts, nothing left over.
+
+    Raises:
+        CacheFormatError: naming the field and what is wrong.
+    """
+    where, n = manifest.file(FIELDS_KIND), manifest.count
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    pos = 0
+    for spec in manifest.fields:
+        name = spec["name"]
+        row = field_row_dtype(spec)
+        expect(len(blob) - pos >= 8 * (n + 1), where, f"field {name}: cut short")
+        starts = np.frombuffer(blob, "<u8", n + 1, pos).astype(np.int64)
+        pos += 8 * (n + 1)
+        expect(starts[0] == 0 and bool((np.diff(starts) >= 0).all()), where,
+               f"field {name}: row numbers out of order")  # fmt: skip
+        total = int(starts[-1])
+        expect(total <= (len(blob) - pos) // max(row.itemsize, 1), where,
+               f"field {name}: more rows than the file holds")  # fmt: skip
+        rows_wanted = spec["shape"][0]
+        if rows_wanted >= 0:
+            wrong = np.diff(starts) != rows_wanted
+            first_bad(wrong, where, f"field {name}: not {rows_wanted} rows")
+        rows = np.frombuffer(blob, row.base, total * int(np.prod(row.shape or (1,))), pos)
+        out[name] = starts, rows.reshape(total, *row.shape)
+        pos += -(-total * row.itemsize // 8) * 8
+    expect(pos == len(blob), where, f"{len(blob) - pos} bytes more than its fields hold")
+    return out
 
 
 def validate_records(
@@ -646,7 +810,8 @@ def validate_records(
     layout = manifest.pixels
     if layout != "rgb":
         first_bad(c != 3, where, f"channels is not 3 in a {layout} cache")
-    nbytes = record_nbytes(index, layout).astype(np.uint64)  # <= 2**42 within the bounds: exact
+    # <= 2**42 within the bounds: exact
+    nbytes = record_nbytes(index, layout, manifest.mask).astype(np.uint64)
     off = index["offset"]
     first_bad(off % DATA_ALIGN != 0, where, f"offset not a multiple of {DATA_ALIGN}")
     # Exact unsigned arithmetic (float64 would round offsets above 2**53): off + n <= size.

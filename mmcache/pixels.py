@@ -14,6 +14,11 @@ and 1/4 between neighbours: libjpeg's "fancy" triangular upsampling) to the even
 H x W, and converted. In memory an I420 record is a 0-d array of a structured dtype
 (``planar_dtype``) whose fields ``y``, ``cb`` and ``cr`` are the planes: its bytes are the
 record's, and its dtype carries the image's size.
+
+A record may carry a mask (``mask``: ``"uint8"`` or ``"uint16"``, a segmentation label map of the
+image's height x width): its bytes follow the image's, from the next multiple of ``MASK_ALIGN``
+of the record (zeros between). In memory such a record is a 0-d array of ``masked_dtype``,
+whose fields ``image`` (the image as above) and ``mask`` are views of its bytes.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ from typing import Any
 import cv2
 import numpy as np
 
-__all__ = ["LAYOUTS", "convert", "record_nbytes", "yuv420_to_rgb"]
+__all__ = ["LAYOUTS", "MASKS", "convert", "record_nbytes", "yuv420_to_rgb"]
 
 LAYOUTS = ("rgb", "yuv420")
+# The dtypes a record's mask may be stored in: 8-bit label maps (VOC, ADE20K, Cityscapes) and
+# 16-bit ones (more than 256 classes).
+MASKS = ("uint8", "uint16")
+# A mask starts at a multiple of this within its record, so its uint16 values are aligned.
+MASK_ALIGN = 8
 # What each layout's records convert to, for a cache of each colour order.
 _TO_COLOR = {"rgb": cv2.COLOR_YCrCb2RGB, "bgr": cv2.COLOR_YCrCb2BGR}
 # BT.601 full range (JFIF): R = Y + 1.402 Cr', G = Y - 0.344136 Cb' - 0.714136 Cr',
@@ -47,14 +57,74 @@ def chroma_shape(height: int, width: int) -> tuple[int, int]:
     return (height + 1) // 2, (width + 1) // 2
 
 
-def record_nbytes(height: Any, width: Any, channels: Any, layout: str) -> Any:
-    """Bytes of a record of ``height x width x channels`` stored as ``layout`` (works on
-    ints and on int64 arrays alike): the one place a record's size is defined."""
+def record_nbytes(
+    height: Any, width: Any, channels: Any, layout: str, mask: str | None = None
+) -> Any:
+    """Bytes of a record of ``height x width x channels`` stored as ``layout``, with a
+    ``mask`` of that dtype if given (works on ints and on int64 arrays alike): the one place a
+    record's size is defined."""
     if layout == "rgb":
-        return height * width * channels
-    if layout == "yuv420":
-        return height * width + 2 * ((height + 1) // 2) * ((width + 1) // 2)
-    raise ValueError(f"unknown pixel layout {layout!r}")
+        image = height * width * channels
+    elif layout == "yuv420":
+        image = height * width + 2 * ((height + 1) // 2) * ((width + 1) // 2)
+    else:
+        raise ValueError(f"unknown pixel layout {layout!r}")
+    if mask is None:
+        return image
+    return mask_offset(image) + height * width * np.dtype(mask).itemsize
+
+
+def mask_offset(image_nbytes: Any) -> Any:
+    """Where a record's mask starts: after its image's bytes, at the next ``MASK_ALIGN``."""
+    return -(-image_nbytes // MASK_ALIGN) * MASK_ALIGN
+
+
+def check_mask(mask: str | None) -> str | None:
+    """``mask`` if it is None or one of ``MASKS``; ValueError otherwise."""
+    if mask is not None and mask not in MASKS:
+        raise ValueError(f"mask must be one of {', '.join(MASKS)}, got {mask!r}")
+    return mask
+
+
+def masked_dtype(height: int, width: int, channels: int, layout: str, mask: str) -> np.dtype:
+    """The structured dtype of one record with a mask: fields ``image`` and ``mask``."""
+    if layout == "rgb":
+        image: Any = (np.uint8, (height, width, channels))
+        nbytes = height * width * channels
+    else:
+        image = planar_dtype(height, width)
+        nbytes = image.itemsize
+    return np.dtype(
+        {
+            "names": ["image", "mask"],
+            "formats": [image, (np.dtype(mask), (height, width))],
+            "offsets": [0, mask_offset(nbytes)],
+            "itemsize": record_nbytes(height, width, channels, layout, mask),
+        }
+    )
+
+
+def image_part(record: np.ndarray) -> np.ndarray:
+    """The image of a stored record (without its mask, if it has one)."""
+    names = record.dtype.names
+    return record["image"] if names and "mask" in names else record
+
+
+def mask_part(record: np.ndarray) -> np.ndarray | None:
+    """The H x W mask of a stored record, or None if it has none."""
+    names = record.dtype.names
+    return record["mask"] if names and "mask" in names else None
+
+
+def with_mask(image: np.ndarray, mask: np.ndarray, dtype: str) -> np.ndarray:
+    """The stored record of ``image`` (a record as ``from_bgr`` or the RGB array) and its
+    H x W ``mask`` (cast to ``dtype``, whose range the caller checked)."""
+    h, w, c = image_shape(image)
+    record = np.zeros((), masked_dtype(h, w, c, "rgb" if not image.dtype.names else "yuv420",
+                                       dtype))  # fmt: skip
+    record["image"] = image
+    record["mask"] = mask
+    return record
 
 
 def planar_dtype(height: int, width: int) -> np.dtype:
@@ -66,15 +136,21 @@ def planar_dtype(height: int, width: int) -> np.dtype:
 
 def image_shape(record: np.ndarray) -> tuple[int, ...]:
     """The (H, W, C) of the image a stored record holds, whatever its layout."""
-    if record.dtype.names:
+    names = record.dtype.names
+    if names and "mask" in names:
+        return image_shape(record["image"])
+    if names:
         return (*record.dtype["y"].shape, 3)
     return record.shape
 
 
-def stored_view(flat: np.ndarray, shape: Any, layout: str) -> np.ndarray:
+def stored_view(flat: np.ndarray, shape: Any, layout: str, mask: str | None = None) -> np.ndarray:
     """The record whose ``record_nbytes`` bytes are the uint8 array ``flat``, as its layout
-    holds it (no copy): H x W x C for ``"rgb"``, a 0-d planar array for ``"yuv420"``."""
+    holds it (no copy): H x W x C for ``"rgb"``, a 0-d planar array for ``"yuv420"``, a 0-d
+    ``masked_dtype`` array for a record with a ``mask``."""
     h, w, c = (int(v) for v in shape)
+    if mask is not None:
+        return flat.view(masked_dtype(h, w, c, layout, mask)).reshape(())
     if layout == "rgb":
         return flat.reshape(h, w, c)
     return flat.view(planar_dtype(h, w)).reshape(())
@@ -82,6 +158,7 @@ def stored_view(flat: np.ndarray, shape: Any, layout: str) -> np.ndarray:
 
 def planes(record: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (Y, Cb, Cr) plane views of an I420 record."""
+    record = image_part(record)
     return record["y"], record["cb"], record["cr"]
 
 
@@ -106,6 +183,7 @@ def from_bgr(img: np.ndarray, layout: str) -> np.ndarray:
 def to_image(record: np.ndarray, color: str = "rgb", out: np.ndarray | None = None) -> np.ndarray:
     """The H x W x 3 image of a stored record: an I420 record converted (into ``out`` if
     given), an RGB record as it is. ``color``: the cache's colour order (rgb or bgr)."""
+    record = image_part(record)
     if not record.dtype.names:
         if out is None:
             return record

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
+from .annotations import Annotations
 from .errors import SourceError
 from .probe import sniff_format
 
@@ -61,6 +62,8 @@ class Listing:
     # ``{"path", "reason"}`` for each file that is another listed file under another label
     # (a link from one class folder into another): kept, as ImageFolder keeps it, but said.
     warnings: list[dict[str, str]] = field(default_factory=list)
+    # What the images are paired with (masks, boxes, arrays): ``annotations.annotate``.
+    annotations: Annotations | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -80,6 +83,8 @@ class Listing:
         d = {"root": str(self.root), "kind": self.kind}
         if self.list_file is not None:
             d["list_file"] = str(self.list_file)
+        if self.annotations is not None:
+            d.update(self.annotations.source_json())
         return d
 
 

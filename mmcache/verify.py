@@ -186,7 +186,7 @@ def check_checksums(
     """
     index = files.index
     offsets = index["offset"].astype(np.int64)[records]
-    sizes = fmt.record_nbytes(index, files.manifest.pixels)[records]
+    sizes = fmt.record_nbytes(index, files.manifest.pixels, files.manifest.mask)[records]
     order = np.argsort(offsets, kind="stable")
     records, offsets, sizes = records[order], offsets[order], sizes[order]
     crcs = files.state["crc32"]
