@@ -56,7 +56,8 @@ def compact(cache: str | os.PathLike) -> BuildReport:
             index = files.index.copy()
             index["offset"] = offsets
             sizes = write_generation(
-                folder, gen, index, files.state.copy(), files.paths_blob, data_bytes
+                folder, gen, index, files.state.copy(), files.paths_blob, data_bytes,
+                fields_blob=files.fields_blob,
             )
             extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,

@@ -623,12 +623,9 @@ def redecode(
             index["height"], index["width"], index["channels"] = layout.shapes.T
             state = np.zeros(n, fmt.STATE_DTYPE)
             state["crc32"], state["state"] = g.crcs, g.state
-            annotations = g.listing.annotations
-            blob = None
-            if m.fields and annotations is not None:
-                blob = fields_file(m.fields, annotations.values(np.arange(n), layout.shapes))
             sizes = write_generation(
-                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen, blob
+                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen,
+                files.fields_blob,
             )
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
             manifest = fmt.Manifest(**{**vars(m), "generation": g.gen, "sizes": sizes,

@@ -690,6 +690,7 @@ class CacheFiles:
     paths_blob: bytes
     # Each field's (starts, rows): record i's rows are rows[starts[i]:starts[i + 1]].
     fields: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    fields_blob: bytes | None = None  # the fields file as read (None: the cache has none)
 
     def field_rows(self, name: str, i: int) -> np.ndarray:
         """Record ``i``'s rows of field ``name`` (a read-only view)."""
@@ -754,8 +755,9 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     state = np.frombuffer(blobs["state"], dtype=STATE_DTYPE)
     paths_blob = bytes(blobs["paths"])
     validate_records(manifest, index, state, paths_blob)
-    fields = read_fields(manifest, bytes(blobs[FIELDS_KIND])) if manifest.fields else {}
-    return CacheFiles(manifest, index, state, paths_blob, fields)
+    fields_blob = bytes(blobs[FIELDS_KIND]) if manifest.fields else None
+    fields = read_fields(manifest, fields_blob) if fields_blob is not None else {}
+    return CacheFiles(manifest, index, state, paths_blob, fields, fields_blob)
 
 
 def read_fields(manifest: Manifest, blob: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -28,7 +28,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-__all__ = ["make_image_folder", "make_photo"]
+__all__ = ["CLASS_COLOURS", "make_detection_set", "make_image_folder", "make_photo",
+           "make_segmentation_set"]  # fmt: skip
 
 # Extensions accepted by make_image_folder, and the cv2.imencode extension each one uses.
 _ENCODERS = {".jpg": ".jpg", ".jpeg": ".jpg", ".png": ".png"}
@@ -484,3 +485,145 @@ def _write(path: Path, img: np.ndarray, encoder: str, params: list[int]) -> None
     if not ok:  # pragma: no cover - cv2 fails only on invalid input
         raise RuntimeError(f"cv2.imencode({encoder!r}) failed for {path}")
     path.write_bytes(buf.tobytes())
+
+
+# The class colours of the annotated sets (RGB). The first four are corners of the RGB cube
+# that make a regular tetrahedron: of any weighted mean of them (what a resize makes of
+# neighbouring pixels), the nearest is the one of the largest weight, so a pixel's class reads
+# back from its colour.
+CLASS_COLOURS = np.array(
+    [(0, 0, 0), (255, 255, 0), (255, 0, 255), (0, 255, 255), (255, 255, 255), (128, 0, 0),
+     (0, 128, 0), (0, 0, 128)], np.uint8,
+)  # fmt: skip
+
+
+def make_segmentation_set(
+    root: str | os.PathLike[str],
+    *,
+    images: int = 40,
+    size: tuple[int, int] = (240, 320),
+    classes: int = 4,
+    seed: int = 0,
+    ext: str = ".png",
+    palette: bool = False,
+    texture: bool = False,
+) -> tuple[Path, Path]:
+    """Write a VOC-like segmentation set: ``root/images/img_XXXXX<ext>`` and their masks
+    ``root/masks/img_XXXXX.png``; returns the two folders.
+
+    Each image is background (class 0) with random rectangles and ellipses of the other
+    classes, each pixel ``CLASS_COLOURS[class]``; its mask holds the class numbers, 8-bit
+    grey, or a palette PNG (VOC's kind, written with Pillow) with ``palette``. ``texture``
+    mixes a quarter of a photo-like image into the colours (for benchmarks: photo-sized
+    JPEGs); without it the colours are exact, so a pixel's class reads back from its colour.
+    Sizes vary by up to a quarter around ``size`` (height, width). Deterministic.
+
+    Raises:
+        ValueError: an argument out of range.
+        ImportError: ``palette`` without Pillow.
+    """
+    if not 2 <= classes <= len(CLASS_COLOURS):
+        raise ValueError(f"classes must be 2 to {len(CLASS_COLOURS)}, got {classes}")
+    if images < 1 or seed < 0:
+        raise ValueError(f"images must be at least 1 and seed non-negative, got {images}, {seed}")
+    suffix = ext.lower()
+    if suffix not in _ENCODERS:
+        raise ValueError(f"ext must be one of {sorted(_ENCODERS)}, got {ext!r}")
+    root = Path(root)
+    image_dir, mask_dir = root / "images", root / "masks"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    mask_dir.mkdir(parents=True, exist_ok=True)
+    canvas = None
+    for k in range(images):
+        rng = np.random.default_rng([seed, 2, k])
+        h, w = (int(v * rng.uniform(0.75, 1.25)) for v in size)
+        _check_size(h, w)
+        mask = np.zeros((h, w), np.uint8)
+        for _ in range(int(rng.integers(2, 6))):
+            c = int(rng.integers(1, classes))
+            cy, cx = int(rng.integers(0, h)), int(rng.integers(0, w))
+            ry = int(rng.integers(h // 8 + 1, h // 3 + 2))
+            rx = int(rng.integers(w // 8 + 1, w // 3 + 2))
+            if rng.random() < 0.5:
+                cv2.rectangle(mask, (cx - rx, cy - ry), (cx + rx, cy + ry), c, -1)
+            else:
+                cv2.ellipse(mask, (cx, cy), (rx, ry), 0, 0, 360, c, -1)
+        rgb = CLASS_COLOURS[mask]
+        if texture:
+            if canvas is None or canvas.out.shape[:2] != (h, w):
+                canvas = _Canvas.create(np.random.default_rng([seed, 3]), w, h)
+            photo = _render(rng, canvas, float(rng.uniform(0, 360)), None)[:, :, ::-1]
+            rgb = cv2.addWeighted(rgb, 0.75, photo, 0.25, 0)
+        name = f"img_{k:05d}"
+        encoder = _ENCODERS[suffix]
+        params = [cv2.IMWRITE_JPEG_QUALITY, 90] if encoder == ".jpg" else []
+        bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+        _write(image_dir / f"{name}{suffix}", bgr, encoder, params)
+        if palette:
+            from PIL import Image
+
+            im = Image.fromarray(mask, mode="P")
+            im.putpalette(CLASS_COLOURS.reshape(-1).tolist())
+            im.save(mask_dir / f"{name}.png")
+        else:
+            _write(mask_dir / f"{name}.png", mask, ".png", [])
+    return image_dir, mask_dir
+
+
+def make_detection_set(
+    root: str | os.PathLike[str],
+    *,
+    images: int = 40,
+    size: tuple[int, int] = (240, 320),
+    seed: int = 0,
+    ext: str = ".png",
+    texture: bool = False,
+) -> tuple[Path, Path]:
+    """Write a COCO-style detection set: ``root/images/img_XXXXX<ext>`` and
+    ``root/instances.json``; returns the folder and the JSON file.
+
+    Each image holds 0 to 4 solid rectangles (every fifth image none), each of a category's
+    colour (``CLASS_COLOURS[1 + its label]``) over a black background, its box the
+    rectangle's pixels exactly. Categories have the non-contiguous ids 3, 7 and 11 (labels
+    0, 1, 2); every third box is a crowd box. ``texture``: as ``make_segmentation_set``.
+    Deterministic.
+    """
+    import json
+
+    suffix = ext.lower()
+    if suffix not in _ENCODERS or images < 1 or seed < 0:
+        raise ValueError(f"bad ext, images or seed: {ext!r}, {images}, {seed}")
+    root = Path(root)
+    image_dir = root / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    ids = (3, 7, 11)
+    doc: dict = {
+        "images": [], "annotations": [],
+        "categories": [{"id": cid, "name": n} for cid, n in zip(ids, ("cat", "dog", "car"))],
+    }  # fmt: skip
+    encoder = _ENCODERS[suffix]
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90] if encoder == ".jpg" else []
+    for k in range(images):
+        rng = np.random.default_rng([seed, 4, k])
+        h, w = (int(v * rng.uniform(0.75, 1.25)) for v in size)
+        _check_size(h, w)
+        name = f"img_{k:05d}{suffix}"
+        rgb = np.zeros((h, w, 3), np.uint8)
+        doc["images"].append({"id": 1000 + k, "file_name": name, "height": h, "width": w})
+        for _ in range(0 if k % 5 == 4 else int(rng.integers(1, 5))):
+            label = int(rng.integers(0, 3))
+            bw, bh = int(rng.integers(w // 8, w // 2)), int(rng.integers(h // 8, h // 2))
+            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            rgb[y : y + bh, x : x + bw] = CLASS_COLOURS[1 + label]
+            doc["annotations"].append({
+                "id": len(doc["annotations"]), "image_id": 1000 + k, "bbox": [x, y, bw, bh],
+                "category_id": ids[label], "iscrowd": int(len(doc["annotations"]) % 3 == 2),
+                "area": bw * bh,
+            })  # fmt: skip
+        bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+        if texture:
+            bgr = cv2.addWeighted(bgr, 0.75, make_photo(rng, h, w), 0.25, 0)
+        _write(image_dir / name, bgr, encoder, params)
+    json_path = root / "instances.json"
+    json_path.write_text(json.dumps(doc))
+    return image_dir, json_path

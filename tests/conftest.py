@@ -175,7 +175,8 @@ def reseal(cache: Path) -> dict:
     """
     path = cache / fmt.MANIFEST_NAME
     m = json.loads(path.read_text())
-    m["checksums"] = {k: file_crc32(cache / m["files"][k]) for k in ("index", "paths")}
+    summed = [k for k in m["files"] if k not in ("state", "data")]  # index, paths, fields
+    m["checksums"] = {k: file_crc32(cache / m["files"][k]) for k in summed}
     m["checksums"]["manifest"] = fmt.manifest_checksum(m)
     path.write_text(json.dumps(m))
     return m
