@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import reseal
 
 from mmcache import (
     CacheFormatError,
@@ -28,8 +29,6 @@ from mmcache import (
 from mmcache import format as fmt
 from mmcache.cli import main
 from mmcache.sample_data import CLASS_COLOURS, make_detection_set, make_segmentation_set
-
-from conftest import reseal
 
 # The per-sample crops warn of upscaling small images, which these tests do on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:.*upscaled to:UserWarning")
