@@ -24,6 +24,7 @@ import torch
 
 from . import pixels as px
 from ._records import RecordReader
+from ._targets import flip_target, resized_mask, resized_target
 from .transforms import DRAWS, resize_into
 
 # An order with fewer steps forward by at most NEARBY records than this share is read as a
@@ -120,8 +121,22 @@ class Ring:
         pin_memory: bool,
         normalize: Normalize | None,
         channels_last: bool,
+        mask: str | None = None,
+        fields: Sequence[str] = (),
     ) -> None:
         self.shape = shape
+        # Annotated caches: each slot's N x H x W masks, and its samples' other fields (rows
+        # of boxes, labels...: a list of dicts, one per sample, replaced each fill).
+        self.masks = (
+            [torch.from_numpy(np.empty((batch_size, *shape[:2]), np.dtype(mask)))
+             for _ in range(slots)]
+            if mask is not None
+            else None
+        )  # fmt: skip
+        if self.masks is not None and pin_memory:
+            self.masks = [m.pin_memory() for m in self.masks]
+        self.fields = tuple(fields)
+        self.targets: list[list[dict[str, Any]]] = [[] for _ in range(slots)]
         if pin_memory:
             self.images = [
                 torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=True)
@@ -153,11 +168,28 @@ class Ring:
                 ]
         self.normalize, self.channels_last = normalize, channels_last
 
-    def output(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``slot``'s first ``n`` images and labels as the loader hands them out (CPU)."""
+    def output(self, slot: int, n: int) -> tuple[torch.Tensor, Any]:
+        """Slot ``slot``'s first ``n`` images and labels (or, from an annotated cache, their
+        ``target``) as the loader hands them out (CPU)."""
         floats = self.floats[slot][:n] if self.floats is not None else None
         images = output(self.images[slot][:n], self.normalize, self.channels_last, floats)
-        return images, self.labels[slot][:n]
+        return images, self.target(slot, n)
+
+    @property
+    def annotated(self) -> bool:
+        return self.masks is not None or bool(self.fields)
+
+    def target(self, slot: int, n: int) -> Any:
+        """The labels of slot ``slot``'s first ``n`` samples, or, from an annotated cache, a
+        dict: ``"mask"`` (N x H x W) and each field as a list of N tensors."""
+        if not self.annotated:
+            return self.labels[slot][:n]
+        target: dict[str, Any] = {}
+        if self.masks is not None:
+            target["mask"] = self.masks[slot][:n]
+        for name in self.fields:
+            target[name] = [torch.from_numpy(t[name]) for t in self.targets[slot][:n]]
+        return target
 
 
 @dataclass
@@ -212,7 +244,7 @@ class Batch(NamedTuple):
     """A filled batch, ready to hand out."""
 
     images: torch.Tensor
-    labels: torch.Tensor
+    labels: Any  # int64 labels, or an annotated cache's target dict (see ``Ring.target``)
     copied: Any  # CUDA: the event of its copy to the device; CPU: None
 
 
@@ -271,7 +303,7 @@ class Iteration:
     def __len__(self) -> int:
         return self._count - self._taken
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, Any]:
         if self._closed is not None:
             raise RuntimeError(self._closed)
         if self._taken >= self._count:
@@ -287,7 +319,8 @@ class Iteration:
             current = torch.cuda.current_stream(batch.images.device)
             current.wait_event(batch.copied)
             batch.images.record_stream(current)
-            batch.labels.record_stream(current)
+            for tensor in _tensors(batch.labels):
+                tensor.record_stream(current)
         return batch.images, batch.labels
 
     def _wait(self, number: int) -> Batch:
@@ -399,9 +432,9 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
             n = fill(job, slot, number, shared, scratch)
             if n is None:
                 return
-            images, labels = job.ring.images[slot][:n], job.ring.labels[slot][:n]
+            images = job.ring.images[slot][:n]
             if cuda:
-                batch = to_device(job, images, labels, stream)
+                batch = to_device(job, images, job.ring.target(slot, n), stream)
             else:
                 batch = Batch(*job.ring.output(slot, n), copied=None)
             with shared.cond:
@@ -427,6 +460,7 @@ class Scratch:
         self.luma = np.empty(0, np.uint8)
         self.box = np.empty(0, np.uint8)
         self.ycc = np.empty(0, np.uint8)
+        self.mask = np.empty(0, np.uint8)  # a record's mask, read with pread
 
     def take(self, name: str, nbytes: int) -> np.ndarray:
         buf = getattr(self, name)
@@ -512,7 +546,67 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
             resize_into(rows[:, left : left + box_width], slot_images[j], *job.crop.kernel)
         if flips is not None and flips[j]:
             cv2.flip(images[j], 1, dst=images[j])
+        if job.ring.annotated:
+            fill_target(job, mapped, record, box, flips is not None and flips[j], slot, j, scratch)
     return n
+
+
+def fill_target(
+    job: Job,
+    mapped: bool,
+    record: Record,
+    box: list[int] | None,
+    flipped: bool,
+    slot: int,
+    j: int,
+    scratch: Scratch,
+) -> None:
+    """Sample ``j``'s target in slot ``slot``: its mask cropped (nearest) into the slot's masks
+    and its fields' rows (boxes scaled and clipped, dropped rows gone) with the image's box
+    and flip, as ``mmcache.transforms`` moves them per sample."""
+    ring = job.ring
+    height, width = int(record.shape[0]), int(record.shape[1])
+    size = ring.shape[:2]
+    if ring.masks is not None:
+        out = ring.masks[slot][j].numpy()
+        mask = record_mask(job, mapped, record, scratch)
+        if box is None:
+            out[...] = mask
+        else:
+            resized_mask(mask, box, size, out=out)
+        if flipped:
+            cv2.flip(out, 1, dst=out)
+    if ring.fields:
+        files = job.reader.files
+        target = {name: files.field_rows(name, record.cache_index) for name in ring.fields}
+        if box is not None:
+            target = resized_target(target, box, (height, width), size)
+        if flipped:
+            target = flip_target(target, size[1])
+        targets = ring.targets[slot]
+        if j == 0:
+            targets.clear()
+        targets.append(target)
+
+
+def record_mask(job: Job, mapped: bool, record: Record, scratch: Scratch) -> np.ndarray:
+    """The H x W mask of an annotated record: a view of the mapping (``mapped``), or read with
+    ``pread`` into the thread's scratch buffer, or the reader's (an empty lazy record)."""
+    if not record.filled:
+        mask = px.mask_part(job.reader.stored(record.cache_index))
+        assert mask is not None  # the ring has masks: the cache's records carry them
+        return mask
+    height, width, channels = (int(v) for v in record.shape)
+    dtype = np.dtype(job.reader.manifest.mask)
+    start = int(px.mask_offset(px.record_nbytes(height, width, channels, job.reader.pixels)))
+    n = height * width * dtype.itemsize
+    if mapped:
+        assert job.mapping is not None  # mapped: the order is not empty
+        flat = job.mapping[record.offset + start : record.offset + start + n]
+    else:
+        flat = scratch.take("mask", n)
+        pread(job, record, flat, start)
+    return flat.view(dtype).reshape(height, width)
 
 
 def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
@@ -618,12 +712,29 @@ def pread(job: Job, record: Record, out: np.ndarray, start: int = 0) -> None:
         job.reader.read_into(record.cache_index, out, start)
 
 
-def to_device(job: Job, images: torch.Tensor, labels: torch.Tensor, stream: Any) -> Batch:
+def _tensors(labels: Any) -> list[torch.Tensor]:
+    """The tensors of a batch's labels or target dict (its mask and fields' rows)."""
+    if isinstance(labels, torch.Tensor):
+        return [labels]
+    return [t for v in labels.values() for t in (v if isinstance(v, list) else [v])]
+
+
+def _to(labels: Any, device: torch.device) -> Any:
+    """A batch's labels or target dict on ``device`` (copies from pinned memory are async)."""
+    if isinstance(labels, torch.Tensor):
+        return labels.to(device, non_blocking=True)
+    return {
+        k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device, non_blocking=True)
+        for k, v in labels.items()
+    }
+
+
+def to_device(job: Job, images: torch.Tensor, labels: Any, stream: Any) -> Batch:
     """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
     the copy: the slot refills next."""
     with torch.cuda.stream(stream):
         on_device = images.to(job.device, non_blocking=True)
-        labels_on_device = labels.to(job.device, non_blocking=True)
+        labels_on_device = _to(labels, job.device)
         on_device = output(on_device, job.normalize, job.channels_last)
         copied = torch.cuda.Event()
         copied.record(stream)

@@ -39,7 +39,7 @@ from . import format as fmt
 from . import pixels as px
 from .errors import CacheFormatError, SourceError
 
-__all__ = ["MASK_EXTENSIONS", "Annotations", "annotate", "read_mask", "recorded_annotations"]
+__all__ = ["Annotations", "MASK_EXTENSIONS", "annotate", "read_mask", "recorded_annotations"]
 
 # A mask's extensions, in the order one is chosen when several share an image's name.
 MASK_EXTENSIONS = (".png", ".bmp", ".tif", ".tiff", ".webp", ".jpg", ".jpeg")

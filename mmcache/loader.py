@@ -382,6 +382,7 @@ class BatchLoader:
         if self._ring is None or self._ring.shape != shape:
             self._ring = None  # the old ring's memory goes before the new one is made
             slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
+            reader = self.dataset.reader
             self._ring = Ring(
                 slots,
                 self.batch_size,
@@ -389,10 +390,12 @@ class BatchLoader:
                 self.pin_memory,
                 self.normalize if self.device.type == "cpu" else None,
                 self.channels_last,
+                reader.manifest.mask,
+                [name for name in reader.files.fields if not name.startswith("_")],
             )
         return self._ring
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
         previous = self._live() if self._live is not None else None
         if previous is not None:
             previous.close(f"{type(self).__name__}: a newer iteration of this loader started")

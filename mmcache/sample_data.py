@@ -548,7 +548,7 @@ def make_segmentation_set(
                 cv2.rectangle(mask, (cx - rx, cy - ry), (cx + rx, cy + ry), c, -1)
             else:
                 cv2.ellipse(mask, (cx, cy), (rx, ry), 0, 0, 360, c, -1)
-        rgb = CLASS_COLOURS[mask]
+        rgb: np.ndarray = CLASS_COLOURS[mask]
         if texture:
             if canvas is None or canvas.out.shape[:2] != (h, w):
                 canvas = _Canvas.create(np.random.default_rng([seed, 3]), w, h)
@@ -557,7 +557,7 @@ def make_segmentation_set(
         name = f"img_{k:05d}"
         encoder = _ENCODERS[suffix]
         params = [cv2.IMWRITE_JPEG_QUALITY, 90] if encoder == ".jpg" else []
-        bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+        bgr: np.ndarray = np.ascontiguousarray(rgb[:, :, ::-1])
         _write(image_dir / f"{name}{suffix}", bgr, encoder, params)
         if palette:
             from PIL import Image
@@ -620,7 +620,7 @@ def make_detection_set(
                 "category_id": ids[label], "iscrowd": int(len(doc["annotations"]) % 3 == 2),
                 "area": bw * bh,
             })  # fmt: skip
-        bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+        bgr: np.ndarray = np.ascontiguousarray(rgb[:, :, ::-1])
         if texture:
             bgr = cv2.addWeighted(bgr, 0.75, make_photo(rng, h, w), 0.25, 0)
         _write(image_dir / name, bgr, encoder, params)

@@ -298,3 +298,89 @@ def test_an_annotated_cache_is_4_0_and_3_x_readers_refuse_it(seg, tmp_path, monk
     monkeypatch.setattr(fmt, "READS_MAJORS", (1, 2, 3))
     with pytest.raises(CacheFormatError, match="format version 4.0 is not supported"):
         MemmapImageDataset(tmp_path / "c")
+
+
+def _batches(loader, limit=None):
+    """Each batch's images and target, copied (the ring's buffers are reused)."""
+    out = []
+    for images, target in loader:
+        copied = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
+                  for k, v in target.items()}  # fmt: skip
+        out.append((images.clone(), copied))
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (ia, ta), (ib, tb) in zip(a, b):
+        assert torch.equal(ia, ib) and ta.keys() == tb.keys()
+        for k in ta:
+            if isinstance(ta[k], list):
+                assert all(torch.equal(x, y) for x, y in zip(ta[k], tb[k]))
+            else:
+                assert torch.equal(ta[k], tb[k])
+
+
+@pytest.fixture(scope="module")
+def seg_cache(seg, tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("segc") / "c"
+    build_cache(seg[0], cache, masks=seg[1], workers=0)
+    return cache
+
+
+def test_batchloader_crops_and_flips_masks_with_their_images(seg_cache):
+    from mmcache import BatchLoader
+
+    ds = MemmapImageDataset(seg_cache)
+    loader = BatchLoader(ds, 4, shuffle=True, seed=3, crop=RandomResizedCrop(24), flip=True)
+    batches = _batches(loader)
+    for images, target in batches:
+        assert target["mask"].shape == images.shape[:3] and target["mask"].dtype == torch.uint8
+        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+            inside = away_from_borders(mask)
+            np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
+    # The same boxes and flips as the per-sample transform's, for the same draws.
+    from mmcache._targets import flip_target, resized_target
+
+    idx, boxes, flips = loader.draw_batch(0)
+    for k, i in enumerate(idx):
+        img, target = ds[int(i)]
+        t = resized_target(target, boxes[k], img.shape[:2], (24, 24))
+        if flips[k]:
+            t = flip_target(t, 24)
+        np.testing.assert_array_equal(batches[0][1]["mask"][k].numpy(), t["mask"])
+    # Deterministic whatever the threads and the read path; resumable mid-epoch.
+    again = BatchLoader(ds, 4, shuffle=True, seed=3, crop=RandomResizedCrop(24), flip=True,
+                        num_threads=1, read="pread")  # fmt: skip
+    _same(batches, _batches(again))
+    state_loader = BatchLoader(ds, 4, shuffle=True, seed=3, crop=RandomResizedCrop(24), flip=True)
+    _batches(state_loader, limit=1)
+    resumed = BatchLoader(ds, 4, shuffle=True, seed=3, crop=RandomResizedCrop(24), flip=True)
+    resumed.load_state_dict(state_loader.state_dict())
+    _same(batches[1:], _batches(resumed))
+
+
+def test_batchloader_moves_boxes_with_their_images(det, tmp_path):
+    from mmcache import BatchLoader
+
+    images, coco = det
+    build_cache(images, tmp_path / "c", coco=coco, workers=0)
+    ds = MemmapImageDataset(tmp_path / "c")
+    checked = 0
+    for seed in range(4):
+        loader = BatchLoader(ds, 5, shuffle=True, seed=seed,
+                             crop=RandomResizedCrop(40, scale=(0.3, 1)), flip=True)  # fmt: skip
+        for batch, target in loader:
+            assert set(target) == {"boxes", "labels", "iscrowd"}
+            for img, boxes, labels in zip(batch.numpy(), target["boxes"], target["labels"]):
+                assert len(boxes) == len(labels)
+                ys, xs = np.nonzero(img.max(axis=2) > 128)
+                if len(boxes) != 1 or not len(ys):
+                    continue
+                x1, y1, x2, y2 = boxes[0].tolist()
+                assert abs(xs.min() - x1) <= 1 and abs(xs.max() + 1 - x2) <= 1
+                assert abs(ys.min() - y1) <= 1 and abs(ys.max() + 1 - y2) <= 1
+                checked += 1
+    assert checked >= 5
