@@ -8,8 +8,9 @@ memory-copy limit), samples the memory of the process tree meanwhile, measures t
 against the single-core decode rate and this machine's rate of writing pixels into a new file,
 and checks the project's targets; ``--parts training`` (``run_training_bench``, training.py)
 times RandomResizedCrop + flip into batches seven ways (five on an RGB cache, two on a
-yuv420 cache of the same images). ``write_report`` writes results.md,
-results.json and chart.png; ``python tools/bench.py --help`` lists the options.
+yuv420 cache of the same images); ``--parts segmentation`` (``run_segmentation_bench``,
+segmentation.py) crops and flips images with their masks four ways. ``write_report`` writes
+results.md, results.json and chart.png; ``python tools/bench.py --help`` lists the options.
 """
 
 from __future__ import annotations
@@ -25,16 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: benchlib and
 from benchlib.loading import METHODS, BenchReport, run_bench  # noqa: E402
 from benchlib.machine import fresh_memory_write_rate  # noqa: E402
 from benchlib.report import write_report  # noqa: E402
+from benchlib.segmentation import (  # noqa: E402
+    SEGMENTATION_ROWS,
+    SegmentationReport,
+    run_segmentation_bench,
+)
 from benchlib.training import TRAINING_ROWS, TrainingReport, run_training_bench  # noqa: E402
 
 import mmcache  # noqa: E402
 
 __all__ = [
     "METHODS",
+    "SEGMENTATION_ROWS",
     "TRAINING_ROWS",
     "fresh_memory_write_rate",
     "main",
     "run_bench",
+    "run_segmentation_bench",
     "run_training_bench",
     "write_report",
 ]
@@ -50,8 +58,9 @@ def _size(text: str) -> tuple[int, int]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="loading,training",
-                   help="loading (the DataLoader table), training (the crop pipeline table), or "
-                   "both (default)")  # fmt: skip
+                   help="comma-separated: loading (the DataLoader table), training (the crop "
+                   "pipeline table), segmentation (images with masks); default "
+                   "loading,training")  # fmt: skip
     p.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
     p.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
     p.add_argument("--image-size", type=_size, default=(720, 480), metavar="WxH",
@@ -76,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
         help="epochs (10: an epoch of the fast rows is 0.1 s, and their median needs several)",
     )  # fmt: skip
     g.add_argument("--rows", help="comma-separated subset of: " + ", ".join(TRAINING_ROWS))
+    g = p.add_argument_group("the segmentation table")
+    g.add_argument("--segmentation-images", type=int, default=600,
+                   help="images with masks to generate for it (default 600)")  # fmt: skip
+    g.add_argument("--segmentation-epochs", type=int, default=6, help="epochs (default 6)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
     p.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
     return p
@@ -117,23 +130,39 @@ def _training(args: argparse.Namespace, workdir: Path) -> TrainingReport:
     )  # fmt: skip
 
 
+def _segmentation(args: argparse.Namespace, workdir: Path) -> SegmentationReport:
+    print(
+        f"segmentation: {args.segmentation_images} generated JPEGs with masks, "
+        f"RandomResizedCrop({args.crop}) + flip of both, batch {args.batch_size}, "
+        f"{args.workers} workers or threads",
+        flush=True,
+    )
+    return run_segmentation_bench(
+        workdir=workdir / "segmentation", images=args.segmentation_images, size=args.crop,
+        batch_size=args.batch_size, workers=args.workers, epochs=args.segmentation_epochs,
+        on_event=_say,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts or parts - {"loading", "training"}:
-        p.error(f"--parts takes loading, training or both, got {args.parts!r}")
+    if not parts or parts - {"loading", "training", "segmentation"}:
+        p.error(f"--parts takes loading, training and segmentation, got {args.parts!r}")
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="mmcache-bench-")
     workdir = Path(args.workdir or tmp)
     try:
         report = _loading(args, workdir) if "loading" in parts else None
         training = _training(args, workdir) if "training" in parts else None
+        segmentation = _segmentation(args, workdir) if "segmentation" in parts else None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    written = write_report(report, args.out, training)
+    written = write_report(report, args.out, training, segmentation)
     print("targets:")
-    for t in (report.targets if report else []) + (training.targets if training else []):
+    tables = [r for r in (report, training, segmentation) if r is not None]
+    for t in [t for r in tables for t in r.targets]:
         got, need, result = t.cells()
         print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")
     print("reproduce: python tools/bench.py " + " ".join(sys.argv[1:] if argv is None else argv))

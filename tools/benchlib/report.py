@@ -9,11 +9,15 @@ from pathlib import Path
 
 from .loading import BenchReport, chart
 from .results import finite, targets_markdown
+from .segmentation import SegmentationReport
 from .training import TrainingReport
 
 
 def write_report(
-    report: BenchReport | None, out: str | os.PathLike, training: TrainingReport | None = None
+    report: BenchReport | None,
+    out: str | os.PathLike,
+    training: TrainingReport | None = None,
+    segmentation: SegmentationReport | None = None,
 ) -> list[Path]:
     """Write ``results.md``, ``results.json`` and (with matplotlib) ``chart.png`` into ``out``.
 
@@ -29,6 +33,12 @@ def write_report(
         parts.append(targets_markdown(training.targets, "Training pipeline targets"))
         data["training"] = finite(asdict(training))
         for r, dr in zip(training.rows, data["training"]["rows"]):
+            dr["steady_images_per_second"] = finite(r.steady_images_per_second)
+    if segmentation is not None:
+        parts.append(segmentation.to_markdown())
+        parts.append(targets_markdown(segmentation.targets, "Segmentation targets"))
+        data["segmentation"] = finite(asdict(segmentation))
+        for r, dr in zip(segmentation.rows, data["segmentation"]["rows"]):
             dr["steady_images_per_second"] = finite(r.steady_images_per_second)
     written[0].write_text("\n".join(parts))
     written[1].write_text(json.dumps(data, indent=2) + "\n")
