@@ -299,6 +299,25 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(f"  ... {len(report.warnings) - 5:,} more warnings (see manifest.json)")
 
 
+def _annotation_words(annotations: dict[str, Any], paired: dict[str, str]) -> str:
+    """What records carry besides pixels, for ``info``: ``mask (uint8, from MASKS); boxes,
+    labels (3 classes), iscrowd (from COCO)``."""
+    words = []
+    if "mask" in annotations:
+        where = f", from {_one_line(paired['masks'])}" if "masks" in paired else ""
+        words.append(f"mask ({annotations['mask']}{where})")
+    fields = []
+    for name, spec in annotations.items():
+        if name != "mask":
+            classes = spec.get("classes")
+            fields.append(f"{name} ({count(len(classes), 'class', 'classes')})" if classes
+                          else name)  # fmt: skip
+    if fields:
+        where = f" (from {_one_line(paired['coco'])})" if "coco" in paired else ""
+        words.append(", ".join(fields) + where)
+    return "; ".join(words)
+
+
 def _garbage(garbage: int, data: int) -> str:
     share = garbage / data if data else 0.0
     return f"{human_bytes(garbage)} of the data file ({share:.1%}) is garbage"
@@ -633,6 +652,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"format:     {info.format_version[0]}.{info.format_version[1]}, {info.mode} mode, "
         f"generation {info.generation}",
         f"pixels:     {_layout_words(info.options.get('pixels', 'rgb'))}",
+        *([f"annotated:  {_annotation_words(info.annotations, info.source_paired)}"]
+          if info.annotations else []),
         f"images:     {info.images:,} ({info.filled:,} filled), "
         f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped, "
         f"{count(len(info.warnings), 'warning')}",

@@ -214,6 +214,10 @@ class CacheInfo:
     ram_total: int
     ram_available: int
     cgroup_limited: bool = False
+    # What records carry besides pixels: "mask" (its dtype), and each field's description.
+    annotations: dict[str, Any] = field(default_factory=dict)
+    # Where they came from: "masks" (the folder), "coco" (the file), as recorded.
+    source_paired: dict[str, str] = field(default_factory=dict)
 
     @property
     def fixed_size(self) -> bool:

@@ -281,6 +281,11 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         ram_total=ram.total,
         ram_available=ram.available,
         cgroup_limited=ram.cgroup_limited,
+        annotations={
+            **({"mask": m.mask} if m.mask else {}),
+            **{f["name"]: f for f in m.fields if not f["name"].startswith("_")},
+        },
+        source_paired={k: str(m.source[k]) for k in ("masks", "coco") if m.source.get(k)},
     )
 
 

@@ -128,6 +128,8 @@ def test_the_cli_builds_with_masks_and_says_what_it_skipped(seg, tmp_path, capsy
     images, masks = seg
     assert main(["build", str(images), str(tmp_path / "c"), "--masks", str(masks), "-q"]) == 0
     assert MemmapImageDataset(tmp_path / "c")[0][1]["mask"].dtype == np.uint8
+    assert main(["info", str(tmp_path / "c")]) == 0
+    assert f"annotated:  mask (uint8, from {masks})" in capsys.readouterr().out
     assert main(["build", str(images), str(tmp_path / "d"), "--mask-dtype", "uint16"]) == 2
     assert "--mask-dtype needs --masks" in capsys.readouterr().err
 
