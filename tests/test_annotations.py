@@ -364,6 +364,22 @@ def test_batchloader_crops_and_flips_masks_with_their_images(seg_cache):
     _same(batches[1:], _batches(resumed))
 
 
+def test_batchloader_masks_of_yuv420_records_and_of_whole_records(seg, tmp_path):
+    from mmcache import BatchLoader
+
+    build_cache(seg[0], tmp_path / "y", masks=seg[1], pixels="yuv420", workers=0)
+    ds = MemmapImageDataset(tmp_path / "y")
+    for images, target in BatchLoader(ds, 3, seed=0, crop=RandomResizedCrop(24), flip=True):
+        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+            inside = away_from_borders(mask, 2)  # chroma at half resolution: see above
+            np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
+    build_cache(seg[0], tmp_path / "w", masks=seg[1], size=(30, 40), workers=0)
+    ds = MemmapImageDataset(tmp_path / "w")
+    (images, target), *_ = list(_batches(BatchLoader(ds, 6, read="pread")))
+    for k in range(6):
+        np.testing.assert_array_equal(target["mask"][k].numpy(), ds[k][1]["mask"])
+
+
 def test_batchloader_moves_boxes_with_their_images(det, tmp_path):
     from mmcache import BatchLoader
 
