@@ -69,7 +69,8 @@ A cache is one folder; move or copy it as a unit. Its files:
     and ``state``: ``EMPTY`` (0, not yet decoded: lazy mode only), ``FILLED`` (1), or a ``BAD_*``
     code >= 2 (the file could not be cached; ``BAD_REASONS`` says why; 6, ``BAD_TRUNCATED``, is
     newer than format 2.0's first readers, which refuse a lazy cache holding it as an unknown
-    record state: a reader MUST refuse a code it does not know). Only this file changes
+    record state: a reader MUST refuse a code it does not know; 7, ``BAD_MASK``, is 4.x's, for a
+    record whose mask is missing or does not fit its image). Only this file changes
     after publication, and only in lazy mode: a filler writes the pixels, then ``crc32`` and
     ``state`` together, so a record that reads ``FILLED`` is complete. In a ``"build"`` cache
     every record is ``FILLED`` (a reader MUST refuse ``EMPTY`` there).
