@@ -56,7 +56,7 @@ from ._staleness import (
 )
 from ._version import __version__
 from ._workers import Job, Result, chunked, decode_records
-from .annotations import annotate, recorded_annotations
+from .annotations import annotate, carry_user_fields, recorded_annotations
 from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
 from .errors import (
     CacheFormatError,
@@ -148,6 +148,10 @@ def session(request: BuildRequest) -> Iterator[Session]:
     try:
         with writer_lock(folder):
             previous = open_existing(folder)
+            if previous is not None and not request.fields and not request.replace:
+                # The user's arrays are not found again in the source: a build without them
+                # keeps the previous generation's, by path, rather than drop them.
+                carry_user_fields(previous, listing)
             if previous is not None and not request.replace:
                 if not request.source_moved:
                     refuse_other_source(previous.manifest, listing)

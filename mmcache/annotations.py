@@ -407,6 +407,34 @@ def mask_record(
     return px.with_mask(pixels, mask, dtype)
 
 
+def user_fields(m: fmt.Manifest) -> list[dict[str, Any]]:
+    """The descriptions of the fields of cache ``m`` that the user's arrays gave (not
+    mmcache's own, not COCO's)."""
+    coco = BOX_FIELDS if m.source.get("coco") else ()
+    return [f for f in m.fields if not f["name"].startswith("_") and f["name"] not in coco]
+
+
+def carry_user_fields(previous: fmt.CacheFiles, listing: Any) -> None:
+    """Give ``listing`` the user's arrays of cache ``previous`` (a build not given them
+    again): each listed path keeps its rows, a new path has none."""
+    specs = user_fields(previous.manifest)
+    if not specs:
+        return
+    a = listing.annotations = listing.annotations or Annotations()
+    row = {previous.path(i): i for i in range(len(previous.index))}
+    for spec in specs:
+        name = spec["name"]
+        empty = np.zeros((0, *spec["shape"][1:]), spec["dtype"])
+        a.arrays[name] = (
+            spec,
+            [
+                previous.field_rows(name, row[p]) if p in row else empty
+                for p in listing.paths
+            ],
+        )
+        a.user.append(name)
+
+
 def recorded_annotations(files: fmt.CacheFiles) -> Annotations | None:
     """The annotations a cache's records carry, as its manifest and ``fields`` file record
     them (boxes already in the stored images' pixels); None if it has none."""

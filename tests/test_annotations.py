@@ -402,3 +402,19 @@ def test_batchloader_moves_boxes_with_their_images(det, tmp_path):
                 assert abs(ys.min() - y1) <= 1 and abs(ys.max() + 1 - y2) <= 1
                 checked += 1
     assert checked >= 5
+
+
+def test_a_build_not_given_the_user_s_arrays_again_keeps_them(seg, tmp_path):
+    images, _ = seg
+    source = tmp_path / "images"
+    shutil.copytree(images, source)
+    points = {"img_00002.png": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    build_cache(source, tmp_path / "c", fields={"points": points}, workers=0)
+    assert build_cache(source, tmp_path / "c", workers=0).up_to_date  # nothing dropped
+    shutil.copy(source / "img_00000.png", source / "new.png")
+    report = build_cache(source, tmp_path / "c", workers=0)
+    assert report.decoded == 1
+    ds = MemmapImageDataset(tmp_path / "c")
+    rows = {Path(p).name: ds[i][1]["points"] for i, (p, _) in enumerate(ds.samples)}
+    np.testing.assert_array_equal(rows["img_00002.png"], points["img_00002.png"])
+    assert rows["new.png"].shape == (0, 3)
