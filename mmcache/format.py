@@ -594,7 +594,7 @@ def _check_manifest_checksum(
 def _check_source(source: dict[str, Any], mpath: Path) -> None:
     kind = source.get("kind")
     expect(kind in ("folder", "list"), mpath, f"source kind {kind!r} is not folder or list")
-    keys = ("root", "list_file") if kind == "list" else ("root",)
+    keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
     keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches (4.x)
     for key in keys:
         expect(
