@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from .loading import BenchReport, chart
 from .results import finite, targets_markdown
@@ -28,17 +29,17 @@ def write_report(
     written = [out / "results.md", out / "results.json"]
     parts = [report.to_markdown()] if report is not None else ["# mmcache benchmark\n"]
     data = report.to_json() if report is not None else {}
-    if training is not None:
-        parts.append(training.to_markdown())
-        parts.append(targets_markdown(training.targets, "Training pipeline targets"))
-        data["training"] = finite(asdict(training))
-        for r, dr in zip(training.rows, data["training"]["rows"]):
-            dr["steady_images_per_second"] = finite(r.steady_images_per_second)
-    if segmentation is not None:
-        parts.append(segmentation.to_markdown())
-        parts.append(targets_markdown(segmentation.targets, "Segmentation targets"))
-        data["segmentation"] = finite(asdict(segmentation))
-        for r, dr in zip(segmentation.rows, data["segmentation"]["rows"]):
+    tables: list[tuple[str, Any, str]] = [
+        ("training", training, "Training pipeline targets"),
+        ("segmentation", segmentation, "Segmentation targets"),
+    ]
+    for key, table, title in tables:
+        if table is None:
+            continue
+        parts.append(table.to_markdown())
+        parts.append(targets_markdown(table.targets, title))
+        data[key] = finite(asdict(table))
+        for r, dr in zip(table.rows, data[key]["rows"]):
             dr["steady_images_per_second"] = finite(r.steady_images_per_second)
     written[0].write_text("\n".join(parts))
     written[1].write_text(json.dumps(data, indent=2) + "\n")
