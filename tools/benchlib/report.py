@@ -1,4 +1,4 @@
-"""The bench's files: results.md and results.json for both tables, chart.png for the loading one."""
+"""The bench's files: results.md and results.json for the tables, chart.png for the loading one."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .loading import BenchReport, chart
+from .multicrop import MultiCropReport
 from .results import finite, targets_markdown
 from .training import TrainingReport
 
 
 def write_report(
-    report: BenchReport | None, out: str | os.PathLike, training: TrainingReport | None = None
+    report: BenchReport | None,
+    out: str | os.PathLike,
+    training: TrainingReport | None = None,
+    multicrop: MultiCropReport | None = None,
 ) -> list[Path]:
     """Write ``results.md``, ``results.json`` and (with matplotlib) ``chart.png`` into ``out``.
 
@@ -30,6 +34,13 @@ def write_report(
         data["training"] = finite(asdict(training))
         for r, dr in zip(training.rows, data["training"]["rows"]):
             dr["steady_images_per_second"] = finite(r.steady_images_per_second)
+    if multicrop is not None:
+        parts.append(multicrop.to_markdown())
+        parts.append(targets_markdown(multicrop.targets, "Multi-crop targets"))
+        data["multicrop"] = finite(asdict(multicrop))
+        for r, dr in zip(multicrop.rows, data["multicrop"]["rows"]):
+            dr["steady_images_per_second"] = finite(r.steady_images_per_second)
+            dr["output_pixels_per_second"] = finite(multicrop.pixel_rate(r.key))
     written[0].write_text("\n".join(parts))
     written[1].write_text(json.dumps(data, indent=2) + "\n")
     png = chart(report, out / "chart.png") if report is not None else None

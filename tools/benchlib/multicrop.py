@@ -1,0 +1,270 @@
+"""The multi-crop table: several views of each image per step (SSL), four ways on the same images.
+
+Decode + ``MultiCrop`` in a DataLoader (what ImageFolder users run), the cache with the same
+per-sample ``MultiCrop`` in a DataLoader, ``BatchLoader(views=...)``, and ``BatchLoader`` with
+one 224 crop (the reference for output pixels per second); then a one-thread profile of where a
+step's time goes (each kind of view's resizes and flips), which says why the pixel rates differ.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+import mmcache
+from mmcache import MemmapImageDataset, build_cache
+from mmcache.demo import DecodingDataset, time_epochs
+from mmcache.transforms import resize_into
+
+from .results import EventFn, MethodResult, RunSettings, Target, check_keys, epochs_table, pick
+from .training import alternately
+
+MULTICROP_ROWS = {
+    "decode_multicrop": "decode + MultiCrop in a DataLoader (what ImageFolder users run)",
+    "mmcache_multicrop": "MemmapImageDataset + the same MultiCrop in a DataLoader",
+    "batch_loader_views": "mmcache BatchLoader(views=..., flip=True)",
+    "batch_loader_one_crop": "mmcache BatchLoader(crop=RandomResizedCrop(224), flip=True)",
+}
+# Run in turns, epoch by epoch, since their ratio is a target.
+ALTERNATED = ("batch_loader_views", "batch_loader_one_crop")
+# Records the profile times each resize over.
+PROFILE_RECORDS = 200
+
+
+@dataclass
+class MultiCropSettings(RunSettings):
+    """What ``run_multicrop_bench`` was asked for (see its arguments)."""
+
+    images: int = 1000
+    batch_size: int = 128
+    epochs: int = 5
+    short_side: int = 256
+    global_size: int = 224
+    global_views: int = 2
+    local_size: int = 96
+    local_views: int = 6
+
+
+@dataclass
+class MultiCropReport:
+    """The multi-crop table: the same views of the same images, four ways, and a profile."""
+
+    settings: dict
+    rows: list[MethodResult] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    profile: list[dict] = field(default_factory=list)
+
+    def pixels_per_image(self, key: str) -> int:
+        s = self.settings
+        if key == "batch_loader_one_crop":
+            return s["global_size"] ** 2
+        return s["global_views"] * s["global_size"] ** 2 + s["local_views"] * s["local_size"] ** 2
+
+    def pixel_rate(self, key: str) -> float:
+        """Output pixels per second of row ``key`` (NaN if it did not run)."""
+        row = pick(self.rows, key)
+        return row.steady_images_per_second * self.pixels_per_image(key) if row else math.nan
+
+    def to_markdown(self) -> str:
+        s = self.settings
+        lines = epochs_table(
+            self.rows, ["method"], ["img/s (median 2..)", "output Mpx/s"],
+            lambda r: ([r.name], [f"{r.steady_images_per_second:,.0f}",
+                                  f"{self.pixel_rate(r.key) / 1e6:,.1f}"]),
+        )  # fmt: skip
+        profile = [
+            "| one thread, per image | ms | box Mpx read | output Mpx | box Mpx/s | "
+            "output Mpx/s |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {p['part']} | {p['ms']:.3f} | {p['box_mpx']:.3f} | {p['out_mpx']:.3f} | "
+                f"{rate(p['box_mpx'], p['ms'])} | {rate(p['out_mpx'], p['ms'])} |"
+                for p in self.profile
+            ),
+        ]
+        bound = (
+            f"At {s['workers']} threads these resizes alone bound BatchLoader(views) to "
+            f"{s['workers'] / self.profile[-1]['ms'] * 1e3:,.0f} img/s."
+            if self.profile and self.profile[-1]["ms"] else ""
+        )
+        views = (
+            f"{s['global_views']} x {s['global_size']} (scale 0.32-1) + {s['local_views']} x "
+            f"{s['local_size']} (scale 0.05-0.32)"
+        )
+        out = [
+            "## Multi-crop (SSL views)",
+            "",
+            f"{s['images']:,} images stored at shorter side {s['short_side']}, views {views}, "
+            f"each flipped at random, batch {s['batch_size']}, {s['workers']} workers or "
+            f"threads, {s['epochs']} epochs; the two BatchLoader rows run in turns, epoch by "
+            "epoch. Output pixels: those of all the views of an image.",
+            "",
+            *lines,
+            "",
+            f"Profile: each part's resizes of {s['profile_records']} records' boxes in one thread "
+            "(antialiased bilinear, as the rows), per image.",
+            "",
+            *profile,
+            "",
+            bound,
+        ]
+        return "\n".join(out) + "\n"
+
+
+def rate(mpx: float, ms: float) -> str:
+    """Megapixels per second, as text ("" for what has no pixels)."""
+    return f"{mpx / ms * 1e3:,.0f}" if mpx and ms else ""
+
+
+def run_multicrop_bench(
+    *,
+    workdir: str | os.PathLike,
+    rows: list[str] | None = None,
+    on_event: EventFn | None = None,
+    **settings,
+) -> MultiCropReport:
+    """Time several views of each image into batches four ways on the same images, in one run.
+
+    The images (``source``, or ``images`` generated JPEGs of ``image_size``) are cached at
+    shorter side ``short_side``; the views are DINO's: ``global_views`` crops of
+    ``global_size`` (scale 0.32-1) and ``local_views`` of ``local_size`` (scale 0.05-0.32),
+    each flipped at random, timed over ``epochs`` epochs of ``batch_size`` with ``workers``
+    DataLoader workers or threads. ``settings`` are the fields of ``MultiCropSettings``;
+    ``rows`` keys of ``MULTICROP_ROWS``.
+    """
+    rows = list(MULTICROP_ROWS) if rows is None else rows
+    check_keys(rows, MULTICROP_ROWS, "row")
+    s = MultiCropSettings(**settings)
+    workdir, say = Path(workdir), on_event or (lambda _: None)
+    source = s.source if s.source is not None else s.generate(workdir / "images", s.seed + 2)
+    cache = workdir / f"cache-short-{s.short_side}"
+    build_cache(source, cache, short_side=s.short_side, replace=True)
+    ds = MemmapImageDataset(cache, on_stale="ignore")
+    views = [
+        (mmcache.RandomResizedCrop(s.global_size, scale=(0.32, 1.0)), s.global_views),
+        (mmcache.RandomResizedCrop(s.local_size, scale=(0.05, 0.32)), s.local_views),
+    ]
+    one = mmcache.RandomResizedCrop(s.global_size)
+    report = MultiCropReport(settings={
+        "images": len(ds), "short_side": s.short_side, "batch_size": s.batch_size,
+        "workers": s.workers, "epochs": s.epochs, "global_size": s.global_size,
+        "global_views": s.global_views, "local_size": s.local_size,
+        "local_views": s.local_views, "profile_records": min(PROFILE_RECORDS, len(ds)),
+    })  # fmt: skip
+    threads = max(1, s.workers)
+    results: dict[str, MethodResult] = {}
+    transform = mmcache.MultiCrop(views, flip=True)
+    for key in rows:
+        gc.collect()
+        if key in ("decode_multicrop", "mmcache_multicrop"):
+            dataset = (
+                DecodingDataset(ds.samples, transform=transform)
+                if key == "decode_multicrop"
+                else MemmapImageDataset(cache, transform=transform, on_stale="ignore")
+            )
+            row = MethodResult(key, MULTICROP_ROWS[key], images=len(ds))
+            row.epoch_seconds = time_epochs(dataset, s.epochs, batch_size=s.batch_size,
+                                            workers=s.workers)  # fmt: skip
+            results[key] = row
+            say(row.describe())
+    turns = [k for k in rows if k in ALTERNATED]
+    if turns:
+        loaders = {
+            "batch_loader_views": mmcache.BatchLoader(
+                ds, s.batch_size, shuffle=True, seed=s.seed, views=views, flip=True,
+                num_threads=threads),
+            "batch_loader_one_crop": mmcache.BatchLoader(
+                ds, s.batch_size, shuffle=True, seed=s.seed, crop=one, flip=True,
+                num_threads=threads),
+        }  # fmt: skip
+
+        def runner(key: str):
+            return lambda: time_epochs(ds, 1, batch_size=s.batch_size, workers=0,
+                                       loader=loaders[key])[0]  # fmt: skip
+
+        times = alternately(s.epochs, {key: runner(key) for key in turns})
+        for key in turns:
+            results[key] = MethodResult(key, MULTICROP_ROWS[key], epoch_seconds=times[key],
+                                        images=len(ds))  # fmt: skip
+            say(results[key].describe())
+    report.rows = [results[key] for key in rows]
+    report.profile = profile(ds, views, one, s.seed)
+    report.targets = multicrop_targets(report)
+    return report
+
+
+def profile(ds: MemmapImageDataset, views, one, seed: int) -> list[dict]:
+    """Milliseconds per image, in one thread, of each part of the work: each kind of view's
+    resizes (boxes drawn as the loader draws them) and the flips, against one crop's."""
+    records = ds.reader.records
+    rng = np.random.default_rng(seed)
+    idx = rng.permutation(len(ds))[:PROFILE_RECORDS]
+    with warnings.catch_warnings():  # torch cannot mark the read-only mapping read-only
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(ds.reader.mapping())
+
+    def record(i: int) -> torch.Tensor:
+        h, w, c = (int(v) for v in records.shapes[i])
+        off = int(records.offsets[i])
+        return data[off : off + h * w * c].view(h, w, c)
+
+    parts = [(f"{n} views of {crop.size[0]}", crop, n) for crop, n in views]
+    parts.append((f"one crop of {one.size[0]} (the reference)", one, 1))
+    out = []
+    for name, crop, n in parts:
+        dst = torch.empty((*crop.size, 3), dtype=torch.uint8)
+        boxes = [crop.boxes(records.shapes[idx], rng.random((len(idx), crop.draws)))
+                 for _ in range(n)]  # fmt: skip
+        for _pass in range(2):  # the first pass maps the records' pages; the second is timed
+            start = time.perf_counter()
+            area = 0
+            for k, i in enumerate(idx.tolist()):
+                src = record(i)
+                for b in boxes:
+                    top, left, bh, bw = (int(v) for v in b[k])
+                    resize_into(src[top : top + bh, left : left + bw], dst, *crop.kernel)
+                    area += bh * bw
+            seconds = time.perf_counter() - start
+        out.append({"part": f"resize {name}", "ms": seconds / len(idx) * 1e3,
+                    "box_mpx": area / len(idx) / 1e6,
+                    "out_mpx": n * crop.size[0] * crop.size[1] / 1e6})  # fmt: skip
+    flips = sum(n for _, n in views)
+    image = np.zeros((*views[0][0].size, 3), np.uint8)
+    start = time.perf_counter()
+    for _ in range(len(idx)):
+        for _ in range(flips // 2):  # half the views are mirrored
+            cv2.flip(image, 1, dst=image)
+    out.append({"part": f"flip half of the {flips} views (all at the largest size: a bound)",
+                "ms": (time.perf_counter() - start) / len(idx) * 1e3, "box_mpx": 0.0,
+                "out_mpx": 0.0})  # fmt: skip
+    views_ms = sum(p["ms"] for p in out[:-2]) + out[-1]["ms"]
+    out.append({"part": "all the views' resizes and flips", "ms": views_ms,
+                "box_mpx": sum(p["box_mpx"] for p in out[:-2]),
+                "out_mpx": sum(p["out_mpx"] for p in out[:-2])})  # fmt: skip
+    return out
+
+
+def multicrop_targets(report: MultiCropReport) -> list[Target]:
+    """The multi-crop targets, as ratios of this run's figures."""
+    rows, size = report.rows, report.settings["global_size"]
+
+    def rate(key: str) -> float:
+        row = pick(rows, key)
+        return row.steady_images_per_second if row else math.nan
+
+    return [
+        Target("BatchLoader(views) / decode + MultiCrop in a DataLoader (img/s)",
+               rate("batch_loader_views") / rate("decode_multicrop"), 8.0),
+        Target(f"BatchLoader(views) / BatchLoader(one {size} crop) (output pixels/s)",
+               report.pixel_rate("batch_loader_views")
+               / report.pixel_rate("batch_loader_one_crop"), 0.8),
+    ]  # fmt: skip
