@@ -262,6 +262,15 @@ PYTHON_RUN = {
     ("reliability.md", 'report = mmcache.verify_cache("cache/train", sour'): (
         'mmcache.build_cache("data/train", "cache/train", workers=0)'
     ),
+    ("README.md", "from mmcache import BatchLoader, MemmapImageDataset, Mult"): (
+        'mmcache.build_cache("data/train", "cache/train", short_side=256, workers=0)'
+    ),
+    ("multicrop.md", "from mmcache import BatchLoader, MemmapImageDataset, Rand"): (
+        'mmcache.build_cache("data/train", "cache/train", short_side=256, workers=0)'
+    ),
+    ("multicrop.md", "from mmcache import MemmapImageDataset, MultiCrop, Random"): (
+        'mmcache.build_cache("data/train", "cache/train", short_side=256, workers=0)'
+    ),
     ("training.md", "crop = mmcache.RandomResizedCrop(160)"): (
         'mmcache.build_cache("data/train", "cache/train", short_side=256, workers=0)\n'
         'ds = mmcache.MemmapImageDataset("cache/train")\nepochs = 3'
