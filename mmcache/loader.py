@@ -249,7 +249,8 @@ class BatchLoader:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """The (H, W, C) of every image of the batches (before ``normalize``)."""
+        """The (H, W, C) of every image of the batches (before ``normalize``); with ``views``,
+        of the first view's (``shapes`` gives each view's)."""
         if self.crop is not None:
             return (*self.crop.size, _channels(self.dataset))
         if self._view_crops is not None:
@@ -352,8 +353,12 @@ class BatchLoader:
         iteration.
 
         Raises:
-            ValueError: ``seed=None`` and no iteration has drawn a seed yet.
+            ValueError: ``seed=None`` and no iteration has drawn a seed yet, or a loader with
+                ``views`` (``return_params=True`` gives each view's boxes and flips).
         """
+        if self.views is not None:
+            raise ValueError("draw_batch(): a loader with views= draws a box and flip per view: "
+                             "pass return_params=True to have them with each batch")  # fmt: skip
         seed = self.seed if self.seed is not None else self._iteration_seed
         if seed is None:
             raise ValueError("draw_batch(): seed=None and no iteration has drawn a seed yet")

@@ -168,3 +168,24 @@ def test_bad_views_are_refused(caches):
     for bad in ([], [(RandomResizedCrop(8), 0)], [("crop", 1)], [RandomResizedCrop(8)]):
         with pytest.raises(ValueError, match="views"):
             BatchLoader(ds, 2, views=bad)
+    with pytest.raises(ValueError, match="return_params=True"):
+        BatchLoader(ds, 2, views=views_of(), seed=0).draw_batch(0)
+
+
+@pytest.mark.parametrize("pixels,reads", [("rgb", 1), ("yuv420", 3)])
+def test_a_record_is_read_once_per_step_for_all_its_views(caches, monkeypatch, pixels, reads):
+    # With pread, one read of the rows all the boxes span (a yuv420 record: one per plane),
+    # not one per view.
+    ds = MemmapImageDataset(caches / pixels)
+    calls = []
+    real = ds.reader.read_into
+
+    def read_into(i, out, start=0):
+        calls.append(i)
+        return real(i, out, start)
+
+    monkeypatch.setattr(ds.reader, "read_into", read_into)
+    loader = BatchLoader(ds, 4, sampler=range(N), views=views_of(), read="pread", seed=0)
+    for _ in loader:
+        pass
+    assert sorted(calls) == sorted(list(range(N)) * reads)
