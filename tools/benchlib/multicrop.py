@@ -13,12 +13,14 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 import mmcache
 from mmcache import MemmapImageDataset, build_cache
@@ -32,10 +34,9 @@ MULTICROP_ROWS = {
     "decode_multicrop": "decode + MultiCrop in a DataLoader (what ImageFolder users run)",
     "mmcache_multicrop": "MemmapImageDataset + the same MultiCrop in a DataLoader",
     "batch_loader_views": "mmcache BatchLoader(views=..., flip=True)",
-    "batch_loader_one_crop": "mmcache BatchLoader(crop=RandomResizedCrop(224), flip=True)",
+    "batch_loader_one_crop": "mmcache BatchLoader(crop=RandomResizedCrop, flip=True): one crop "
+    "of the global views' size",
 }
-# Run in turns, epoch by epoch, since their ratio is a target.
-ALTERNATED = ("batch_loader_views", "batch_loader_one_crop")
 # Records the profile times each resize over, and its rounds.
 PROFILE_RECORDS = 200
 PROFILE_ROUNDS = 5
@@ -106,8 +107,8 @@ class MultiCropReport:
             "",
             f"{s['images']:,} images stored at shorter side {s['short_side']}, views {views}, "
             f"each flipped at random, batch {s['batch_size']}, {s['workers']} workers or "
-            f"threads, {s['epochs']} epochs; the two BatchLoader rows run in turns, epoch by "
-            "epoch. Output pixels: those of all the views of an image.",
+            f"threads, {s['epochs']} epochs; the rows run in turns, epoch by epoch. Output "
+            "pixels: those of all the views of an image.",
             "",
             *lines,
             "",
@@ -163,41 +164,38 @@ def run_multicrop_bench(
         "local_views": s.local_views, "profile_records": min(PROFILE_RECORDS, len(ds)),
     })  # fmt: skip
     threads = max(1, s.workers)
-    results: dict[str, MethodResult] = {}
     transform = mmcache.MultiCrop(views, flip=True)
+
+    def loader(key: str):
+        if key == "batch_loader_views":
+            return mmcache.BatchLoader(ds, s.batch_size, shuffle=True, seed=s.seed, views=views,
+                                       flip=True, num_threads=threads)  # fmt: skip
+        if key == "batch_loader_one_crop":
+            return mmcache.BatchLoader(ds, s.batch_size, shuffle=True, seed=s.seed, crop=one,
+                                       flip=True, num_threads=threads)  # fmt: skip
+        dataset = (
+            DecodingDataset(ds.samples, transform=transform)
+            if key == "decode_multicrop"
+            else MemmapImageDataset(cache, transform=transform, on_stale="ignore")
+        )
+        # persistent workers: started once, they wait while the other rows run
+        return DataLoader(dataset, batch_size=s.batch_size, shuffle=True,
+                          num_workers=s.workers, persistent_workers=s.workers > 0)  # fmt: skip
+
+    def runner(it) -> Callable[[], float]:
+        return lambda: time_epochs(ds, 1, batch_size=s.batch_size, workers=0, loader=it)[0]
+
+    # Every row in turns, epoch by epoch, since their ratios are the targets: on a machine
+    # shared with other work, rows run one after the other met different loads.
+    gc.collect()
+    loaders = {key: loader(key) for key in rows}
+    times = alternately(s.epochs, {key: runner(it) for key, it in loaders.items()})
+    del loaders  # the DataLoaders' workers end here
+    results = {}
     for key in rows:
-        gc.collect()
-        if key in ("decode_multicrop", "mmcache_multicrop"):
-            dataset = (
-                DecodingDataset(ds.samples, transform=transform)
-                if key == "decode_multicrop"
-                else MemmapImageDataset(cache, transform=transform, on_stale="ignore")
-            )
-            row = MethodResult(key, MULTICROP_ROWS[key], images=len(ds))
-            row.epoch_seconds = time_epochs(dataset, s.epochs, batch_size=s.batch_size,
-                                            workers=s.workers)  # fmt: skip
-            results[key] = row
-            say(row.describe())
-    turns = [k for k in rows if k in ALTERNATED]
-    if turns:
-        loaders = {
-            "batch_loader_views": mmcache.BatchLoader(
-                ds, s.batch_size, shuffle=True, seed=s.seed, views=views, flip=True,
-                num_threads=threads),
-            "batch_loader_one_crop": mmcache.BatchLoader(
-                ds, s.batch_size, shuffle=True, seed=s.seed, crop=one, flip=True,
-                num_threads=threads),
-        }  # fmt: skip
-
-        def runner(key: str):
-            return lambda: time_epochs(ds, 1, batch_size=s.batch_size, workers=0,
-                                       loader=loaders[key])[0]  # fmt: skip
-
-        times = alternately(s.epochs, {key: runner(key) for key in turns})
-        for key in turns:
-            results[key] = MethodResult(key, MULTICROP_ROWS[key], epoch_seconds=times[key],
-                                        images=len(ds))  # fmt: skip
-            say(results[key].describe())
+        results[key] = MethodResult(key, MULTICROP_ROWS[key], epoch_seconds=times[key],
+                                    images=len(ds))  # fmt: skip
+        say(results[key].describe())
     report.rows = [results[key] for key in rows]
     report.profile = profile(ds, views, one, s.seed)
     report.targets = multicrop_targets(report)
