@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type ch
         CenterCrop,
         CenterResizedCrop,
         Compose,
+        MultiCrop,
         RandomHorizontalFlip,
         RandomResizedCrop,
     )
@@ -84,6 +85,7 @@ __all__ = [
     "InsufficientSpaceError",
     "MemmapImageDataset",
     "MixedShapesError",
+    "MultiCrop",
     "NotACacheError",
     "Options",
     "OptionsChangedError",
@@ -122,6 +124,7 @@ _TORCH_PARTS = {
     "CenterCrop": "transforms",
     "CenterResizedCrop": "transforms",
     "Compose": "transforms",
+    "MultiCrop": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",
 }

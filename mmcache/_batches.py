@@ -5,7 +5,8 @@ iteration) and hands out the batches in order. Threads and consumer share a ``Sh
 one condition: a thread takes the next batch number, waits for the slot to be given back,
 copies (or crops and resizes) each record into the slot, and publishes a ``Batch``. An error
 raised in a thread is kept with the number of the batch it was filling and raised from the
-``next()`` that would have returned that batch.
+``next()`` that would have returned that batch. With several views (``Job.views``) each view has
+a ring of its own and the record is read once for all its views (``fill_views``).
 """
 
 from __future__ import annotations
@@ -215,6 +216,11 @@ class Job:
         crop: the crop (``boxes``, ``draws``, ``kernel``), or None.
         flip: mirror each image with probability 1/2.
         draws: (seed, epoch, rank): the key of the boxes' and flips' uniform numbers.
+        views: the crop of each view (several views of each record), or None; ``ring`` is
+            then the first view's ring, which holds the labels.
+        view_rings: a ring per view (with ``views``).
+        params: with ``views``, a list per slot of an N x 5 int64 buffer per view for its
+            boxes and flips (``transforms.PARAMS``), or None.
     """
 
     order: np.ndarray
@@ -233,6 +239,9 @@ class Job:
     crop: Any
     flip: bool
     draws: tuple[int, int, int]
+    views: list[Any] | None = None
+    view_rings: list[Ring] | None = None
+    params: list[list[torch.Tensor]] | None = None
 
     @property
     def count(self) -> int:
@@ -243,9 +252,10 @@ class Job:
 class Batch(NamedTuple):
     """A filled batch, ready to hand out."""
 
-    images: torch.Tensor
+    images: Any  # a tensor; with views, a list of one per view
     labels: Any  # int64 labels, or an annotated cache's target dict (see ``Ring.target``)
     copied: Any  # CUDA: the event of its copy to the device; CPU: None
+    params: Any = None  # with views and return_params: a tensor per view of its boxes and flips
 
 
 class Failure(NamedTuple):
@@ -303,7 +313,7 @@ class Iteration:
     def __len__(self) -> int:
         return self._count - self._taken
 
-    def __next__(self) -> tuple[torch.Tensor, Any]:
+    def __next__(self) -> tuple[Any, ...]:
         if self._closed is not None:
             raise RuntimeError(self._closed)
         if self._taken >= self._count:
@@ -316,11 +326,13 @@ class Iteration:
             # The current stream is per thread: order the caller's stream after the copy, and
             # tell the caching allocator that stream uses the tensors, so their memory is not
             # handed to a later side-stream allocation while the caller's work still reads it.
-            current = torch.cuda.current_stream(batch.images.device)
+            images = batch.images if isinstance(batch.images, list) else [batch.images]
+            current = torch.cuda.current_stream(images[0].device)
             current.wait_event(batch.copied)
-            batch.images.record_stream(current)
-            for tensor in _tensors(batch.labels):
+            for tensor in [*images, *_tensors(batch.labels), *(batch.params or [])]:
                 tensor.record_stream(current)
+        if batch.params is not None:
+            return batch.images, batch.params, batch.labels
         return batch.images, batch.labels
 
     def _wait(self, number: int) -> Batch:
@@ -433,7 +445,9 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
             if n is None:
                 return
             images = job.ring.images[slot][:n]
-            if cuda:
+            if job.views is not None:
+                batch = views_batch(job, slot, n, stream)
+            elif cuda:
                 batch = to_device(job, images, job.ring.target(slot, n), stream)
             else:
                 batch = Batch(*job.ring.output(slot, n), copied=None)
@@ -470,7 +484,7 @@ class Scratch:
         return buf[:nbytes]
 
 
-def uniforms(draws: tuple[int, int, int], first: int, n: int, scratch: Scratch) -> np.ndarray:
+def uniforms(draws: tuple[int, ...], first: int, n: int, scratch: Scratch) -> np.ndarray:
     """The ``DRAWS`` uniform numbers of positions ``first .. first + n - 1`` of the epoch,
     drawn into the thread's scratch buffer."""
     blocks = range(first // DRAW_BLOCK, (first + n - 1) // DRAW_BLOCK + 1)
@@ -486,7 +500,7 @@ def uniforms(draws: tuple[int, int, int], first: int, n: int, scratch: Scratch) 
 def draw(
     crop: Any,
     flip: bool,
-    draws: tuple[int, int, int],
+    draws: tuple[int, ...],
     shapes: np.ndarray,
     first: int,
     scratch: Scratch,
@@ -524,6 +538,8 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
     slot_images = job.ring.images[slot]
     images = slot_images.numpy()
     np.take(records.labels, indices, out=job.ring.labels[slot][:n].numpy())
+    if job.views is not None:
+        return fill_views(job, slot, first, indices, mapped, shared, scratch)
     filled = reader.filled(indices)
     offsets = records.offsets[indices].tolist()
     shapes = records.shapes[indices]
@@ -607,6 +623,86 @@ def record_mask(job: Job, mapped: bool, record: Record, scratch: Scratch) -> np.
         flat = scratch.take("mask", n)
         pread(job, record, flat, start)
     return flat.view(dtype).reshape(height, width)
+def fill_views(
+    job: Job,
+    slot: int,
+    first: int,
+    indices: np.ndarray,
+    mapped: bool,
+    shared: Shared,
+    scratch: Scratch,
+) -> int | None:
+    """``fill`` with several views: each view's boxes and flips drawn under its own key
+    (``draws`` + its number), then each record read once (the rows all its boxes span) and
+    every view of it resized into that view's ring."""
+    assert job.views is not None and job.view_rings is not None  # a loader with views
+    reader, records = job.reader, job.reader.records
+    n = len(indices)
+    filled = reader.filled(indices)
+    offsets = records.offsets[indices].tolist()
+    shapes = records.shapes[indices]
+    drawn = [draw(crop, job.flip, (*job.draws, v), shapes, first, scratch)
+             for v, crop in enumerate(job.views)]  # fmt: skip
+    boxes = [b.tolist() for b, _ in drawn if b is not None]
+    outs = [ring.images[slot] for ring in job.view_rings]
+    if job.params is not None:
+        for (b, flips), params in zip(drawn, job.params[slot]):
+            params[:n, :4] = torch.from_numpy(b)
+            params[:n, 4] = torch.from_numpy(flips) if flips is not None else 0
+    for j, offset in enumerate(offsets):
+        if shared.stop:
+            return None
+        record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
+        mine = [b[j] for b in boxes]
+        if reader.pixels != "rgb":
+            planar_views(job, mapped, record, mine, [out[j] for out in outs], scratch)
+        else:
+            top = min(box[0] for box in mine)
+            rows = box_rows(job, mapped, record, top, max(b[0] + b[2] for b in mine) - top,
+                            scratch)  # fmt: skip
+            for (t, left, h, w), out, crop in zip(mine, outs, job.views):
+                resize_into(rows[t - top : t - top + h, left : left + w], out[j], *crop.kernel)
+        for (_, flips), out in zip(drawn, outs):
+            if flips is not None and flips[j]:
+                image = out[j].numpy()
+                cv2.flip(image, 1, dst=image)
+    return n
+
+
+def planar_views(
+    job: Job,
+    mapped: bool,
+    record: Record,
+    boxes: list[list[int]],
+    outs: list[torch.Tensor],
+    scratch: Scratch,
+) -> None:
+    """Convert the ``boxes`` of I420 ``record`` into ``outs``, each resized, reading the
+    record once: its planes in the mapping, or (unless ``mapped``) the rows of each plane all
+    the boxes span, read with ``pread``."""
+    assert job.views is not None  # a loader with views
+    shape = (int(record.shape[0]), int(record.shape[1]))
+    rows_from = (0, 0)
+    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
+        y, cb, cr = job.reader.planes(record.cache_index)
+    elif not mapped:
+        top = min(box[0] for box in boxes)
+        span = [top, 0, max(b[0] + b[2] for b in boxes) - top, shape[1]]
+        y, cb, cr = planar_box_rows(job, record, span, scratch)
+        rows_from = (top, px.chroma_window(span, shape)[0])
+    else:
+        height, width, channels = (int(v) for v in record.shape)
+        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
+        assert job.mapping is not None  # mapped: the order is not empty
+        flat = job.mapping[record.offset : record.offset + n]
+        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
+    for box, out, crop in zip(boxes, outs, job.views):
+
+        def resize(src: np.ndarray, dst: np.ndarray, kernel: Any = crop.kernel) -> None:
+            resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
+
+        px.crop_into(y, cb, cr, box, shape, out.numpy(), resize, scratch.take, job.reader.color,
+                     rows_from)  # fmt: skip
 
 
 def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
@@ -727,6 +823,42 @@ def _to(labels: Any, device: torch.device) -> Any:
         k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device, non_blocking=True)
         for k, v in labels.items()
     }
+
+
+def views_batch(job: Job, slot: int, n: int, stream: Any) -> Batch:
+    """Slot ``slot``'s first ``n`` records of every view as a ``Batch`` whose images are a
+    list, one batch per view: the ring's buffers (CPU), or copies on the device made on
+    ``stream`` (CUDA; waited for, as ``to_device`` does)."""
+    assert job.view_rings is not None  # a loader with views
+    params = [p[:n] for p in job.params[slot]] if job.params is not None else None
+    labels = job.ring.labels[slot][:n]
+    if job.device.type != "cuda":
+        images = [ring.output(slot, n)[0] for ring in job.view_rings]
+        return Batch(images, labels, None, params)
+    with torch.cuda.stream(stream):
+        images = [
+            output(ring.images[slot][:n].to(job.device, non_blocking=True), job.normalize,
+                   job.channels_last)
+            for ring in job.view_rings
+        ]  # fmt: skip
+        labels = labels.to(job.device, non_blocking=True)
+        if params is not None:
+            params = [p.to(job.device, non_blocking=True) for p in params]
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    copied.synchronize()  # the slot refills next
+    return Batch(images, labels, copied, params)
+
+
+def param_buffers(
+    slots: int, views: int, batch_size: int, pin_memory: bool
+) -> list[list[torch.Tensor]]:
+    """Per slot, an N x 5 int64 buffer per view for its boxes and flips."""
+    return [
+        [torch.empty((batch_size, 5), dtype=torch.int64, pin_memory=pin_memory)
+         for _ in range(views)]
+        for _ in range(slots)
+    ]  # fmt: skip
 
 
 def to_device(job: Job, images: torch.Tensor, labels: Any, stream: Any) -> Batch:

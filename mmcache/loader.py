@@ -13,6 +13,9 @@ batch together: each thread takes a view of the record's box in the mapping (no 
 record) and resizes it straight into its slot. Boxes and flips are a function of the seed, the
 epoch, the rank and each sample's position in the epoch, so the same seed gives the same batches
 whatever the thread count, and ``state_dict`` / ``load_state_dict`` resume an epoch mid-way.
+With ``views`` (several crops of each record, the multi-crop of self-supervised training) each
+view has its own ring, its boxes and flips are drawn under a key of their own (the view's
+number added), and each record is read once per batch for all its views.
 
 When the cache does not fit in RAM the threads read with ``pread`` instead of copying from the
 mapping: under memory pressure every page fault on a mapping also pays for reclaiming mapped
@@ -38,7 +41,17 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ._batches import Iteration, Job, Normalize, Ring, Scratch, as_tensor, draw, random_reader
+from ._batches import (
+    Iteration,
+    Job,
+    Normalize,
+    Ring,
+    Scratch,
+    as_tensor,
+    draw,
+    param_buffers,
+    random_reader,
+)
 from ._feedback import count
 from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
@@ -47,6 +60,7 @@ from .errors import MixedShapesError, StateMismatchError
 from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
+from .transforms import expand_views
 
 __all__ = ["BatchLoader"]
 
@@ -117,6 +131,17 @@ class BatchLoader:
         channels_last: with ``normalize``, give the batches torch's ``channels_last`` memory
             format (the layout the pixels already have; no copy); without, give the uint8
             images as an N x C x H x W view of that layout.
+        views: ``[(crop, count), ...]`` instead of ``crop``: several views of every record
+            (SimCLR's two, DINO's two global and several local crops). Each step yields
+            ``(views, labels)``, ``views`` a list of one batch per view in the order given,
+            counts expanded; each view of a sample has its own box and flip, drawn from the
+            seed, the epoch, its position and the view's number. ``normalize``, ``dtype``,
+            ``channels_last`` and ``device`` apply to every view; set a crop's ``size``
+            between epochs to change the size of its views.
+        return_params: with ``views``, yield ``(views, params, labels)``: ``params`` a list
+            of one int64 tensor N x 5 per view, each row the sample's box (top, left,
+            height, width, in the stored image's pixels) and 1 if it was mirrored, else 0
+            (``mmcache.MultiCrop.apply`` makes the same view from the record).
 
     Examples:
         >>> ds = MemmapImageDataset("cache/train")  # doctest: +SKIP
@@ -127,6 +152,12 @@ class BatchLoader:
         ...     loader.set_epoch(epoch)
         ...     for images, labels in loader:
         ...         train_step(images, labels.cuda())
+        >>> dino = BatchLoader(ds, 256, shuffle=True, seed=0, flip=True, device="cuda",
+        ...                    views=[(RandomResizedCrop(224, scale=(0.32, 1.0)), 2),
+        ...                           (RandomResizedCrop(96, scale=(0.05, 0.32)), 6)],
+        ...                    normalize=IMAGENET)  # doctest: +SKIP
+        >>> for views, labels in dino:  # doctest: +SKIP
+        ...     dino_step(views[:2], views)  # 2 global batches N x 3 x 224 x 224, 6 local ones
 
     Raises:
         MixedShapesError: without ``crop``, records that do not all share one shape.
@@ -153,6 +184,8 @@ class BatchLoader:
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         dtype: torch.dtype | None = None,
         channels_last: bool = False,
+        views: Sequence[tuple[Any, int]] | None = None,
+        return_params: bool = False,
     ) -> None:
         if read not in ("auto", "mmap", "pread"):
             raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
@@ -172,6 +205,20 @@ class BatchLoader:
             raise ValueError(
                 f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}"
             )
+        if views is not None and crop is not None:
+            raise ValueError("pass crop= or views=, not both (one crop is views=[(crop, 1)])")
+        if views is not None and dataset.reader.annotated:
+            raise ValueError(
+                "views= of a cache with masks or boxes is not supported: its targets would need "
+                "moving with every view; use crop= (one view), or a cache without annotations"
+            )
+        if return_params and views is None:
+            raise ValueError("return_params=True needs views= (one crop is views=[(crop, 1)])")
+        self._view_crops = None if views is None else expand_views(views)  # checks them
+        self.views = None if views is None else [(crop, int(n)) for crop, n in views]
+        self.return_params = return_params
+        self._view_rings: list[Ring] | None = None
+        self._params: list[list[torch.Tensor]] | None = None
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle, self.sampler, self.seed = shuffle, sampler, seed
@@ -198,7 +245,7 @@ class BatchLoader:
         channels = _channels(dataset)
         self.normalize = None if normalize is None else Normalize(normalize, channels, dtype)
         self.channels_last = channels_last
-        self._record_shape = None if crop is not None else _one_shape(dataset)
+        self._record_shape = None if crop is not None or views else _one_shape(dataset)
         self._ring: Ring | None = None
         self._live: weakref.ref | None = None
         self._iteration_seed: int | None = None  # the seed of the last or live iteration
@@ -207,11 +254,21 @@ class BatchLoader:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """The (H, W, C) of every image of the batches (before ``normalize``)."""
+        """The (H, W, C) of every image of the batches (before ``normalize``); with ``views``,
+        of the first view's (``shapes`` gives each view's)."""
         if self.crop is not None:
             return (*self.crop.size, _channels(self.dataset))
+        if self._view_crops is not None:
+            return self.shapes[0]
         assert self._record_shape is not None  # measured at construction when there is no crop
         return self._record_shape
+
+    @property
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """The (H, W, C) of each view's images (``[shape]`` without ``views``)."""
+        if self._view_crops is None:
+            return [self.shape]
+        return [(*crop.size, _channels(self.dataset)) for crop in self._view_crops]
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order, boxes and flips next (and forward it to the sampler)."""
@@ -234,6 +291,7 @@ class BatchLoader:
             "batch_size": self.batch_size,
             "seed": self.seed if self.seed is not None else self._iteration_seed,
             "size": list(self.crop.size) if self.crop is not None else None,
+            **({"view_sizes": [list(c.size) for c, _ in self.views]} if self.views else {}),
             "sampler": (
                 self.sampler.state_dict()
                 if self.sampler is not None and hasattr(self.sampler, "state_dict")
@@ -285,6 +343,9 @@ class BatchLoader:
             self._iteration_seed = state["seed"]
         if state.get("size") is not None and self.crop is not None:
             self.crop.size = tuple(state["size"])
+        if state.get("view_sizes") is not None and self.views is not None:
+            for (crop, _), size in zip(self.views, state["view_sizes"]):
+                crop.size = tuple(size)
         self._start = self._done = int(state["batches"])
 
     def draw_batch(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -297,8 +358,12 @@ class BatchLoader:
         iteration.
 
         Raises:
-            ValueError: ``seed=None`` and no iteration has drawn a seed yet.
+            ValueError: ``seed=None`` and no iteration has drawn a seed yet, or a loader with
+                ``views`` (``return_params=True`` gives each view's boxes and flips).
         """
+        if self.views is not None:
+            raise ValueError("draw_batch(): a loader with views= draws a box and flip per view: "
+                             "pass return_params=True to have them with each batch")  # fmt: skip
         seed = self.seed if self.seed is not None else self._iteration_seed
         if seed is None:
             raise ValueError("draw_batch(): seed=None and no iteration has drawn a seed yet")
@@ -395,7 +460,25 @@ class BatchLoader:
             )
         return self._ring
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+    def _views_buffers(self) -> list[Ring]:
+        """A ring per view (and with ``return_params`` the boxes' buffers), made again only
+        when a view's shape changes."""
+        shapes = self.shapes
+        if self._view_rings is None or [r.shape for r in self._view_rings] != shapes:
+            self._view_rings = None  # the old rings' memory goes before the new ones are made
+            slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
+            normalize = self.normalize if self.device.type == "cpu" else None
+            self._view_rings = [
+                Ring(slots, self.batch_size, shape, self.pin_memory, normalize,
+                     self.channels_last)
+                for shape in shapes
+            ]  # fmt: skip
+            if self.return_params:
+                self._params = param_buffers(slots, len(shapes), self.batch_size,
+                                             self.pin_memory)  # fmt: skip
+        return self._view_rings
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
         previous = self._live() if self._live is not None else None
         if previous is not None:
             previous.close(f"{type(self).__name__}: a newer iteration of this loader started")
@@ -404,9 +487,11 @@ class BatchLoader:
             if not self._start or self._iteration_seed is None:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
-        if hasattr(self.crop, "warn_if_upscaling"):  # once per size: a cache built too small?
-            advice = _upscale_advice(self.dataset.manifest, self.crop.short_side_needed())
-            self.crop.warn_if_upscaling(self.dataset.reader.records.shapes, advice, stacklevel=2)
+        crops = [self.crop] if self.views is None else [c for c, _ in self.views]
+        for crop in crops:
+            if hasattr(crop, "warn_if_upscaling"):  # once per size: a cache built too small?
+                advice = _upscale_advice(self.dataset.manifest, crop.short_side_needed())
+                crop.warn_if_upscaling(self.dataset.reader.records.shapes, advice, stacklevel=2)
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = Iteration(self._job(order, ahead, seed), start, self.num_threads, self._taken)
@@ -424,13 +509,14 @@ class BatchLoader:
         mapped = len(order) > 0 and self._reads_mapped() and not reader.cut_short()
         mapping = as_tensor(reader.mapping()) if len(order) else None
         random_fd = len(order) and not mapped and read_ahead is None
+        rings = self._views_buffers() if self._view_crops is not None else None
         return Job(
             order=order,
             batch_size=self.batch_size,
             # CPU: prefetch batches ahead of the one held, so prefetch + 1 slots; CUDA: each
             # thread reuses its own pinned slot, the ready device batches are bounded instead.
             ahead=self.prefetch,
-            ring=self._buffers(),
+            ring=rings[0] if rings is not None else self._buffers(),
             device=self.device,
             normalize=self.normalize,
             channels_last=self.channels_last,
@@ -443,6 +529,9 @@ class BatchLoader:
             crop=self.crop,
             flip=self.flip,
             draws=(seed, self.epoch, self._rank()),
+            views=self._view_crops,
+            view_rings=rings,
+            params=self._params if self.return_params else None,
         )
 
 

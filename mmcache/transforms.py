@@ -8,7 +8,8 @@ shorter side to ``size``, which on images stored at shorter side 256 is torchvis
 ``Resize(256)`` + ``CenterCrop(224)`` (FFCV's ``CenterCropRGBImageDecoder`` means the same;
 torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing). ``CenterCrop`` is
 its 2.x name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
-``Compose`` complete the usual pipelines.
+``Compose`` complete the usual pipelines. ``MultiCrop`` gives several views of each image (the
+multi-crop of SimCLR and DINO), each with its own box and flip.
 
 Each crop works two ways, with the same pixels for the same box: as a per-sample transform of
 ``MemmapImageDataset`` in a standard DataLoader (an H x W x C uint8 array in, ``size`` x C out;
@@ -74,6 +75,7 @@ __all__ = [
     "CenterCrop",
     "CenterResizedCrop",
     "Compose",
+    "MultiCrop",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "resized_crop",
@@ -388,6 +390,92 @@ def _unpaired(sample: Any) -> tuple[np.ndarray, Any]:
             f"a transform takes an image or an (image, target) pair, got a tuple of {len(sample)}"
         )
     return sample[0], sample[1]
+
+
+# A view's parameters, as ``MultiCrop(return_params=True)`` and ``BatchLoader(return_params=True)``
+# give them: its box in the stored image's pixels, and 1 if it was mirrored.
+PARAMS = ("top", "left", "height", "width", "flip")
+
+
+def expand_views(views: Sequence[tuple[Any, int]]) -> list[Any]:
+    """The crop of each view of ``[(crop, count), ...]``, counts expanded (a crop given with
+    count 2 is the crop of two views: setting its ``size`` resizes both).
+
+    Raises:
+        ValueError: no views, a count under 1, or a crop that is not one of this module's.
+    """
+    crops: list[Any] = []
+    for item in views:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise ValueError(f"views must be (crop, count) pairs, got {item!r}")
+        crop, n = item
+        if not isinstance(crop, _Crop) or not isinstance(n, int | np.integer) or n < 1:
+            raise ValueError(
+                "views must be (crop, count) pairs of mmcache.RandomResizedCrop or "
+                f"CenterResizedCrop and a count >= 1, got {item!r}"
+            )
+        crops += [crop] * int(n)
+    if not crops:
+        raise ValueError("views must name at least one (crop, count) pair")
+    return crops
+
+
+class MultiCrop:
+    """Several views of one H x W x C array, each its own crop and flip: the multi-crop of
+    SimCLR and DINO as a per-sample transform (torchvision style), for a ``DataLoader``.
+
+    ``BatchLoader(views=...)`` gathers the same views straight into batches; for the same
+    boxes and flips both give the same pixels (``apply`` takes the ones a loader returned).
+
+    Args:
+        views: ``[(crop, count), ...]``: ``count`` views cropped by each crop, in this order.
+        flip: mirror each view left to right with probability 1/2, each drawn on its own.
+        return_params: return ``(views, params)``: ``params`` one int64 array per view of
+            ``PARAMS`` (top, left, height, width of its box in the image's pixels, and 1 if
+            it was mirrored).
+
+    Examples:
+        >>> from mmcache import RandomResizedCrop
+        >>> dino = MultiCrop([(RandomResizedCrop(224, scale=(0.32, 1.0)), 2),
+        ...                   (RandomResizedCrop(96, scale=(0.05, 0.32)), 6)])
+        >>> ds = MemmapImageDataset("cache/train", transform=dino)  # doctest: +SKIP
+        >>> views, label = ds[0]  # 2 arrays 224 x 224 x 3, 6 of 96 x 96 x 3  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, views: Sequence[tuple[Any, int]], flip: bool = True, return_params: bool = False
+    ) -> None:
+        self.crops = expand_views(views)  # checks them
+        self.views = [(crop, int(n)) for crop, n in views]
+        self.flip, self.return_params = bool(flip), bool(return_params)
+
+    def __call__(self, img: np.ndarray) -> Any:
+        """The views of ``img`` (a list of new arrays), with ``return_params`` and their
+        parameters; boxes and flips drawn from torch's generator."""
+        params = []
+        for crop in self.crops:
+            top, left, height, width = crop.draw(*img.shape[:2])
+            flipped = self.flip and bool(torch.rand(1).item() < 0.5)
+            params.append(np.array([top, left, height, width, int(flipped)], np.int64))
+        views = self.apply(img, params)
+        return (views, params) if self.return_params else views
+
+    def apply(self, img: np.ndarray, params: Sequence[Any]) -> list[np.ndarray]:
+        """The views of ``img`` with the given parameters (a row of ``PARAMS`` per view, as
+        ``__call__`` or ``BatchLoader(return_params=True)`` give them): each box resized to
+        its crop's size as ``BatchLoader`` resizes it, then mirrored if its flip is 1."""
+        if len(params) != len(self.crops):
+            raise ValueError(f"{len(self.crops)} views need {len(self.crops)} rows of params, "
+                             f"got {len(params)}")  # fmt: skip
+        views = []
+        for crop, row in zip(self.crops, params):
+            top, left, height, width, flipped = (int(v) for v in row)
+            out = resized_crop(img, (top, left, height, width), crop.size, crop.interpolation,
+                               antialias=crop.antialias)  # fmt: skip
+            if flipped:
+                cv2.flip(out, 1, dst=out)
+            views.append(out)
+        return views
 
 
 def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:

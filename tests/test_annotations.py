@@ -418,3 +418,10 @@ def test_a_build_not_given_the_user_s_arrays_again_keeps_them(seg, tmp_path):
     rows = {Path(p).name: ds[i][1]["points"] for i, (p, _) in enumerate(ds.samples)}
     np.testing.assert_array_equal(rows["img_00002.png"], points["img_00002.png"])
     assert rows["new.png"].shape == (0, 3)
+
+
+def test_views_of_an_annotated_cache_are_refused(seg_cache):
+    from mmcache import BatchLoader
+
+    with pytest.raises(ValueError, match="views= of a cache with masks or boxes"):
+        BatchLoader(MemmapImageDataset(seg_cache), 4, views=[(RandomResizedCrop(16), 2)])

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from bench import (  # noqa: E402
     METHODS,
+    MULTICROP_ROWS,
     TRAINING_ROWS,
     fresh_memory_write_rate,
     main,
@@ -195,6 +196,58 @@ def test_the_training_table_runs_every_row_and_says_why_ffcv_did_not(
     assert ffcv_target["passed"] is None  # not measured, not failed
     md = (out / "results.md").read_text()
     assert "## Training pipeline" in md and "| mmcache BatchLoader(crop=" in md
+
+
+def test_the_multicrop_table_runs_every_row_with_its_profile_and_targets(
+    small_folder, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    argv = ["--parts", "multicrop", "--source", str(small_folder), "--multicrop-epochs", "2"]
+    argv += ["--short-side", "40", "--views", "2x16,3x8", "--multicrop-batch-size", "4"]
+    argv += ["--workers", "0", "--out", str(out), "--workdir", str(tmp_path / "w")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "multi-crop profile, one thread, per image:" in printed
+    data = json.loads((out / "results.json").read_text())["multicrop"]
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == list(MULTICROP_ROWS)
+    for key, row in rows.items():
+        assert len(row["epoch_seconds"]) == 2 and row["images"] == 12, key
+        assert row["output_pixels_per_second"] > 0, key
+    # output pixels: all the views of an image, against one crop of the global size
+    views, one = rows["batch_loader_views"], rows["batch_loader_one_crop"]
+    assert views["output_pixels_per_second"] == pytest.approx(
+        views["steady_images_per_second"] * (2 * 16 * 16 + 3 * 8 * 8))
+    assert one["output_pixels_per_second"] == pytest.approx(
+        one["steady_images_per_second"] * 16 * 16)  # fmt: skip
+    names = [t["name"] for t in data["targets"]]
+    assert names == ["BatchLoader(views) / decode + MultiCrop in a DataLoader (img/s)",
+                     "BatchLoader(views) / BatchLoader(one 16 crop) (output pixels/s)"]
+    assert all(t["passed"] in (True, False) for t in data["targets"])
+    parts = [p["part"] for p in data["profile"]]
+    assert parts[:2] == ["resize 2 views of 16", "resize 3 views of 8"]
+    md = (out / "results.md").read_text()
+    assert "## Multi-crop (SSL views)" in md and "## Multi-crop targets" in md
+
+
+def test_the_segmentation_table_runs_every_row_with_its_targets(tmp_path, capsys):
+    from benchlib.segmentation import SEGMENTATION_ROWS
+
+    out = tmp_path / "out"
+    argv = ["--parts", "segmentation", "--segmentation-images", "8", "--segmentation-epochs", "2"]
+    argv += ["--crop", "16", "--batch-size", "4", "--workers", "0", "--out", str(out)]
+    assert main([*argv, "--workdir", str(tmp_path / "w")]) == 0
+    data = json.loads((out / "results.json").read_text())["segmentation"]
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == list(SEGMENTATION_ROWS)
+    for key, row in rows.items():
+        assert len(row["epoch_seconds"]) == 2 and row["images"] == 8, key
+    assert [t["name"] for t in data["targets"]] == [
+        "BatchLoader with masks / decode + joint crop in a DataLoader",
+        "BatchLoader with masks / without masks",
+        "MemmapImageDataset with masks / decode + joint crop (DataLoaders)",
+    ]
+    assert "## Segmentation" in (out / "results.md").read_text()
 
 
 def test_rows_compared_as_a_ratio_run_in_turns_epoch_by_epoch():

@@ -7,6 +7,8 @@ test_tools_train.py, test_tools_ffcv.py, test_distributed.py for train_ddp.py).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -52,3 +54,26 @@ def test_every_tool_is_run_by_some_test():
     tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
     untested = [p.name for p in sorted(TOOLS.glob("*.py")) if p.stem not in tests]
     assert untested == []
+
+
+def test_train_ssl_runs_dino_steps_on_views_and_resumes_mid_epoch(tmp_path, capsys):
+    # In-process, three tiny runs: one whole epoch, one stopped after 2 of its 4 steps, and its
+    # resumption, which must end with the whole run's weights (the same views, augmentations).
+    sys.path.insert(0, str(TOOLS))
+    import train_ssl
+
+    base = ["--workdir", str(tmp_path / "w"), "--images", "8", "--short-side", "48",
+            "--global-size", "32", "--local-size", "16", "--local-views", "2",
+            "--batch-size", "2", "--epochs", "1"]  # fmt: skip
+    assert train_ssl.main([*base, "--json", str(tmp_path / "whole.json")]) == 0
+    checkpoint = ["--checkpoint", str(tmp_path / "ssl.pt")]
+    assert train_ssl.main([*base, *checkpoint, "--save-every", "2", "--stop-after", "2"]) == 0
+    assert train_ssl.main([*base, *checkpoint, "--resume",
+                           "--json", str(tmp_path / "resumed.json")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "views 2 x 32 + 2 x 16" in out and "resumed at epoch 1, batch 2" in out
+    assert "epoch 1: loss" in out and "img/s" in out
+    whole, resumed = (json.loads((tmp_path / f"{name}.json").read_text())
+                      for name in ("whole", "resumed"))  # fmt: skip
+    assert whole["step"] == resumed["step"] == 4
+    assert math.isfinite(whole["loss"]) and whole["weights_sum"] == resumed["weights_sum"]

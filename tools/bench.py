@@ -9,8 +9,10 @@ against the single-core decode rate and this machine's rate of writing pixels in
 and checks the project's targets; ``--parts training`` (``run_training_bench``, training.py)
 times RandomResizedCrop + flip into batches seven ways (five on an RGB cache, two on a
 yuv420 cache of the same images); ``--parts segmentation`` (``run_segmentation_bench``,
-segmentation.py) crops and flips images with their masks four ways. ``write_report`` writes
-results.md, results.json and chart.png; ``python tools/bench.py --help`` lists the options.
+segmentation.py) crops and flips images with their masks four ways; ``--parts multicrop``
+(``run_multicrop_bench``, multicrop.py) times several views of each image (SSL multi-crop) four
+ways and profiles them. ``write_report`` writes results.md, results.json and chart.png;
+``python tools/bench.py --help`` lists the options.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: benchlib and
 
 from benchlib.loading import METHODS, BenchReport, run_bench  # noqa: E402
 from benchlib.machine import fresh_memory_write_rate  # noqa: E402
+from benchlib.multicrop import MULTICROP_ROWS, MultiCropReport, run_multicrop_bench  # noqa: E402
 from benchlib.report import write_report  # noqa: E402
 from benchlib.segmentation import (  # noqa: E402
     SEGMENTATION_ROWS,
@@ -38,11 +41,13 @@ import mmcache  # noqa: E402
 __all__ = [
     "METHODS",
     "SEGMENTATION_ROWS",
+    "MULTICROP_ROWS",
     "TRAINING_ROWS",
     "fresh_memory_write_rate",
     "main",
     "run_bench",
     "run_segmentation_bench",
+    "run_multicrop_bench",
     "run_training_bench",
     "write_report",
 ]
@@ -57,10 +62,10 @@ def _size(text: str) -> tuple[int, int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="loading,training",
-                   help="comma-separated: loading (the DataLoader table), training (the crop "
-                   "pipeline table), segmentation (images with masks); default "
-                   "loading,training")  # fmt: skip
+    p.add_argument("--parts", default="loading,training,segmentation,multicrop",
+                   help="comma-separated: loading (the DataLoader table), training (the "
+                   "crop pipeline table), segmentation (images with masks), multicrop (the "
+                   "SSL views table); default all four")  # fmt: skip
     p.add_argument("--source", help="image folder to use (default: generate photo-like JPEGs)")
     p.add_argument("--images", type=int, default=2000, help="images to generate (default 2000)")
     p.add_argument("--image-size", type=_size, default=(720, 480), metavar="WxH",
@@ -89,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--segmentation-images", type=int, default=600,
                    help="images with masks to generate for it (default 600)")  # fmt: skip
     g.add_argument("--segmentation-epochs", type=int, default=6, help="epochs (default 6)")
+    g = p.add_argument_group("the multi-crop table")
+    g.add_argument("--multicrop-images", type=int, default=1000,
+                   help="images to generate for it (default 1000; --source if given)")  # fmt: skip
+    g.add_argument("--views", default="2x224,6x96", metavar="GxS,LxS",
+                   help="global and local views: count x size (default 2x224,6x96: DINO's)")
+    g.add_argument("--multicrop-batch-size", type=int, default=128, help="batch size (128)")
+    g.add_argument("--multicrop-epochs", type=int, default=5, help="epochs (5)")
+    g.add_argument("--multicrop-rows", help="comma-separated subset of: "
+                   + ", ".join(MULTICROP_ROWS))  # fmt: skip
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
     p.add_argument("--workdir", help="keep the images and caches here (default: a temp folder)")
     return p
@@ -144,24 +158,52 @@ def _segmentation(args: argparse.Namespace, workdir: Path) -> SegmentationReport
     )  # fmt: skip
 
 
+def _multicrop(args: argparse.Namespace, workdir: Path) -> MultiCropReport:
+    try:
+        (gn, gs), (ln, ls) = (tuple(int(v) for v in part.split("x")) for part in
+                              args.views.split(","))  # fmt: skip
+    except ValueError:
+        raise SystemExit(f"--views takes COUNTxSIZE,COUNTxSIZE, got {args.views!r}") from None
+    print(
+        f"multi-crop: {args.source or f'{args.multicrop_images} generated JPEGs'} at shorter "
+        f"side {args.short_side}, {gn} x {gs} + {ln} x {ls} views + flips, batch "
+        f"{args.multicrop_batch_size}, {args.workers} workers or threads",
+        flush=True,
+    )
+    return run_multicrop_bench(
+        source=args.source, images=args.multicrop_images, image_size=args.image_size,
+        short_side=args.short_side, batch_size=args.multicrop_batch_size,
+        workers=args.workers, epochs=args.multicrop_epochs, global_views=gn, global_size=gs,
+        local_views=ln, local_size=ls,
+        rows=args.multicrop_rows.split(",") if args.multicrop_rows else None,
+        workdir=workdir / "multicrop", on_event=_say,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts or parts - {"loading", "training", "segmentation"}:
-        p.error(f"--parts takes loading, training and segmentation, got {args.parts!r}")
+    if not parts or parts - {"loading", "training", "segmentation", "multicrop"}:
+        p.error(f"--parts takes loading, training, segmentation and multicrop, got {args.parts!r}")
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="mmcache-bench-")
     workdir = Path(args.workdir or tmp)
     try:
         report = _loading(args, workdir) if "loading" in parts else None
         training = _training(args, workdir) if "training" in parts else None
         segmentation = _segmentation(args, workdir) if "segmentation" in parts else None
+        multicrop = _multicrop(args, workdir) if "multicrop" in parts else None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    written = write_report(report, args.out, training, segmentation)
+    written = write_report(report, args.out, training, segmentation, multicrop)
+    if multicrop is not None:
+        print("multi-crop profile, one thread, per image:")
+        for part in multicrop.profile:
+            print(f"  {part['part']}: {part['ms']:.3f} ms, boxes {part['box_mpx']:.3f} Mpx, "
+                  f"output {part['out_mpx']:.3f} Mpx")  # fmt: skip
     print("targets:")
-    tables = [r for r in (report, training, segmentation) if r is not None]
+    tables = [r for r in (report, training, segmentation, multicrop) if r is not None]
     for t in [t for r in tables for t in r.targets]:
         got, need, result = t.cells()
         print(f"  {result:4}  {t.name}: {got} (needs {need}){'  ' + t.note if t.note else ''}")

@@ -1,4 +1,4 @@
-"""The bench's files: results.md and results.json for both tables, chart.png for the loading one."""
+"""The bench's files: results.md and results.json for the tables, chart.png for the loading one."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .loading import BenchReport, chart
+from .multicrop import MultiCropReport
 from .results import finite, targets_markdown
 from .segmentation import SegmentationReport
 from .training import TrainingReport
@@ -19,6 +20,7 @@ def write_report(
     out: str | os.PathLike,
     training: TrainingReport | None = None,
     segmentation: SegmentationReport | None = None,
+    multicrop: MultiCropReport | None = None,
 ) -> list[Path]:
     """Write ``results.md``, ``results.json`` and (with matplotlib) ``chart.png`` into ``out``.
 
@@ -32,6 +34,7 @@ def write_report(
     tables: list[tuple[str, Any, str]] = [
         ("training", training, "Training pipeline targets"),
         ("segmentation", segmentation, "Segmentation targets"),
+        ("multicrop", multicrop, "Multi-crop targets"),
     ]
     for key, table, title in tables:
         if table is None:
@@ -41,6 +44,8 @@ def write_report(
         data[key] = finite(asdict(table))
         for r, dr in zip(table.rows, data[key]["rows"]):
             dr["steady_images_per_second"] = finite(r.steady_images_per_second)
+            if key == "multicrop":
+                dr["output_pixels_per_second"] = finite(table.pixel_rate(r.key))
     written[0].write_text("\n".join(parts))
     written[1].write_text(json.dumps(data, indent=2) + "\n")
     png = chart(report, out / "chart.png") if report is not None else None
