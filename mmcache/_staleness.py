@@ -16,7 +16,7 @@ import numpy as np
 
 from . import format as fmt
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
-from .scan import Listing, diff_listings, scan_source
+from .scan import Listing, diff_listings, scan_source, source_exists
 
 
 def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
@@ -106,9 +106,9 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
         )
     if listing is None:
         source = recorded_source(m)
-        if source and Path(source).exists():
+        if source and source_exists(source):
             try:
-                listing = scan_source(source)
+                listing = scan_source(source, label_key=m.source.get("label_key"))
             except Exception as e:  # a source that now fails to scan has changed, in a way
                 reasons.append(f"the source cannot be scanned ({e})")
     if listing is not None:

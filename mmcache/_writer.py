@@ -25,6 +25,7 @@ import numpy as np
 from . import _generation as generation
 from . import format as fmt
 from . import pixels as px
+from ._archives import ARCHIVE_KINDS, RecordedMembers
 from ._feedback import human_bytes
 from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
@@ -63,9 +64,8 @@ from .errors import (
     SourceError,
     StrictBuildError,
 )
-from .probe import probe_size
 from .reports import BuildReport, ProgressFn
-from .scan import Listing, scan_source
+from .scan import IMAGE_EXTENSIONS, Listing, scan_source
 from .space import (
     check_free_space,
     disk_bytes,
@@ -612,7 +612,7 @@ def redecode(
 def _recorded_listing(files: fmt.CacheFiles) -> Listing:
     """The listing a cache's records were made from, as its manifest and index record it."""
     m, n = files.manifest, len(files.index)
-    return Listing(
+    listing = Listing(
         root=Path(m.source["root"]),
         kind=m.source.get("kind", "folder"),
         list_file=None,
@@ -622,6 +622,11 @@ def _recorded_listing(files: fmt.CacheFiles) -> Listing:
         sizes=files.index["source_size"].astype(np.int64),
         mtimes=files.index["source_mtime_ns"].astype(np.int64),
     )
+    if listing.kind in ARCHIVE_KINDS:  # members are found by listing the archive again
+        listing.members = RecordedMembers(
+            m.source, IMAGE_EXTENSIONS, listing.paths, listing.sizes, listing.mtimes
+        )
+    return listing
 
 
 def _layout_after(files: fmt.CacheFiles, todo: list[int]) -> tuple[Layout, int]:
@@ -650,7 +655,7 @@ def _garbage_share(layout: Layout) -> float:
 def _too_large(listing: Listing, i: int, opts: Options) -> str:
     """Why file ``i``, refused from its header, is over the pixel limit: its size, the limit."""
     try:
-        native = probe_size(listing.abspath(i))
+        native = listing.probe(i)
     except OSError:
         native = None
     if native is None:  # (it was readable when planned; changed since)

@@ -205,7 +205,7 @@ class MemmapImageDataset(Dataset):
         """Bring a stale cache up to date the way it was made: built caches by a build."""
         m = files.manifest
         if listing is None:
-            listing = scan_source(recorded_source(m))
+            listing = scan_source(recorded_source(m), label_key=m.source.get("label_key"))
         kwargs = asdict(options if options is not None else Options.from_json(m.options))
         update = build_cache if m.mode == "build" else create_lazy_cache
         update(listing, self.cache, **kwargs)

@@ -28,12 +28,14 @@ import re
 import stat as stat_mod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from . import _archives
 from . import format as fmt
 from .errors import SourceError
-from .probe import sniff_format
+from .probe import probe_size, sniff_format
 
 __all__ = ["IMAGE_EXTENSIONS", "Listing", "ListingDiff", "diff_listings", "scan_source"]
 
@@ -61,6 +63,10 @@ class Listing:
     # ``{"path", "reason"}`` for each file that is another listed file under another label
     # (a link from one class folder into another): kept, as ImageFolder keeps it, but said.
     warnings: list[dict[str, str]] = field(default_factory=list)
+    # An archive source's members: where each path's bytes lie (``mmcache._archives``).
+    members: Any = None
+    # More keys of the manifest's ``source`` (an archive's shard pattern, its label key).
+    source_extra: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -70,7 +76,20 @@ class Listing:
         return {c: i for i, c in enumerate(self.classes)}
 
     def abspath(self, i: int) -> str:
+        """Where entry ``i`` is read from: its file, or an archive member's address."""
+        if self.members is not None:
+            return str(self.members.ref(i))
         return os.path.join(self.root, self.paths[i])
+
+    def probe(self, i: int) -> tuple[int, int] | None:
+        """``probe_size`` of entry ``i``.
+
+        Raises:
+            OSError: its file cannot be opened or read.
+        """
+        if self.members is not None:
+            return self.members.probe(i)
+        return probe_size(self.abspath(i))
 
     def fingerprint(self) -> str:
         """SHA-256 over classes and every (path, label, size, mtime): any change changes it."""
@@ -80,7 +99,7 @@ class Listing:
         d = {"root": str(self.root), "kind": self.kind}
         if self.list_file is not None:
             d["list_file"] = str(self.list_file)
-        return d
+        return {**d, **self.source_extra}
 
 
 def listing_fingerprint(
@@ -98,13 +117,21 @@ def listing_fingerprint(
     return h.hexdigest()
 
 
-def scan_source(source: str | os.PathLike) -> Listing:
-    """List the images of ``source`` (a folder or a ``path,label`` file), with their stats.
+def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> Listing:
+    """List the images of ``source`` (a folder, a ``path,label`` file or an archive), with
+    their stats.
+
+    Archives (a ``.tar``, a tar of tars, WebDataset shards, a ``.zip``) are listed in place,
+    as ``mmcache._archives`` describes; ``label_key`` names the ``.json`` field that holds a
+    WebDataset sample's label (default: its ``.cls`` member).
 
     Raises:
         SourceError: the source is missing, unreadable, holds no image files, has a class
-            folder without images, or is a list with bad lines or mixed labels.
+            folder without images, or is a list with bad lines or mixed labels; an archive is
+            compressed, truncated or damaged.
     """
+    if label_key is not None or _archives.is_archive_source(source, IMAGE_EXTENSIONS):
+        return _archive_listing(_archives.scan_archive(source, IMAGE_EXTENSIONS, label_key))
     src = Path(source).expanduser()
     if not src.exists():
         raise SourceError(f"{src}: source not found (expected an image folder or a list file)")
@@ -149,6 +176,27 @@ def scan_source(source: str | os.PathLike) -> Listing:
     listing = _with_stats(root, "folder", None, classes, paths, labels)
     listing.ignored = ignored
     return listing
+
+
+def _archive_listing(found: _archives.Found) -> Listing:
+    return Listing(
+        root=found.root,
+        kind=found.kind,
+        list_file=None,
+        classes=found.classes,
+        paths=found.paths,
+        labels=np.asarray(found.labels, np.int32),
+        sizes=np.asarray(found.sizes, np.uint64),
+        mtimes=np.asarray(found.mtimes, np.int64),
+        warnings=found.warnings,
+        members=found.members,
+        source_extra=found.source,
+    )
+
+
+def source_exists(source: str) -> bool:
+    """Whether the source a cache records is there (a path, or a pattern of shards)."""
+    return _archives.source_exists(source)
 
 
 def _holds_cache(folder: Path, rel: str, ignored: list[str]) -> bool:
