@@ -118,6 +118,12 @@ def test_webdataset_shards_equal_a_list_of_the_extracted_files(tmp_path, src, la
         assert m.source.get("label_key") == key
         assert (m.source.get("pattern") is not None) == (source == pattern)
         assert build_cache(scan_source(source, label_key=key), cache, workers=0).up_to_date
+    # The command line takes the pattern and the label key; the cache is then current.
+    args = ["--label-key", "label"] if key else []
+    assert main(["build", pattern, str(tmp_path / "cli"), "-q", "--workers", "0", *args]) == 0
+    assert cache_bytes(tmp_path / "cli") == cache_bytes(cache)
+    assert "up to date" in main_out(["build", pattern, str(tmp_path / "cli"), *args])
+    assert "the source changed" not in main_out(["info", str(tmp_path / "cli")])
 
 
 def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, src):
@@ -128,7 +134,7 @@ def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, s
     with tarfile.open(tar, "a") as t:  # one new image, one image replaced (the last copy wins)
         t.add(write_image(tmp_path / "new.jpg", 21, 21, seed=30), "cat/new.jpg")
         t.add(write_image(tmp_path / "other.jpg", 22, 23, seed=31), "dog/img_002.jpg")
-    assert "the source changed" in main_info(cache)
+    assert "the source changed" in main_out(["info", str(cache)])
     report = build_cache(tar, cache, workers=0)
     assert (report.decoded, report.reused) == (2, len(before[1]) - 1)
     warnings = {w["path"]: w["reason"] for w in fmt.read_manifest(cache).warnings}
@@ -140,12 +146,12 @@ def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, s
     assert sorted(zip(*cache_bytes(cache)[1:])) == sorted(zip(*cache_bytes(tmp_path / "ref")[1:]))
 
 
-def main_info(cache: Path) -> str:
+def main_out(argv: list[str]) -> str:
     import contextlib
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["info", str(cache)])
+        assert main(argv) == 0
     return out.getvalue()
 
 
