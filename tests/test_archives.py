@@ -266,3 +266,29 @@ def test_verify_and_repair_read_the_members_again(tmp_path, src):
     assert [b.index for b in verify_cache(cache).bad] == [1]
     repair_cache(cache, workers=0)
     assert not verify_cache(cache, source="all").bad
+
+
+@pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch):
+    import mmcache._archives as archives
+
+    image = write_image(tmp_path / "i.png", 9, 7).read_bytes()
+    tar = tmp_path / "t.tar"
+    names = ["c/a.png", "c/" + "long" * 40 + ".png", "c/" + "d" * 120 + "/e.png", "c/é.png"]
+    if form == tarfile.USTAR_FORMAT:
+        names = names[:1] + names[2:3]  # (ustar holds neither a long base name nor UTF-8 here)
+    with tarfile.open(tar, "w", format=form) as t:
+        for k, name in enumerate(names):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(image), 1_700_000_000 + k
+            t.addfile(info, io.BytesIO(image))
+    fast = scan_source(tar)
+    monkeypatch.setattr(
+        archives, "_headers", lambda *a: (_ for _ in ()).throw(archives._OtherHeaders())
+    )
+    slow = scan_source(tar)
+    assert fast.paths == slow.paths == sorted(names, key=lambda n: (os.path.dirname(n), n))
+    assert fast.mtimes.tolist() == slow.mtimes.tolist()
+    assert [fast.abspath(i) for i in range(len(fast))] == [
+        slow.abspath(i) for i in range(len(slow))
+    ]
