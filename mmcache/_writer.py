@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from ._staleness import (
     same_options,
     same_source,
     source_of,
+    source_stamps,
     to_match,
     trust_record,
 )
@@ -119,6 +121,7 @@ class Session:
     previous: fmt.CacheFiles | None
     current: dict[str, str]
     wanted: dict[str, str]
+    stamps: dict[str, Any] | None = None  # what the quick open-time check compares
 
     @property
     def lazy(self) -> bool:
@@ -133,7 +136,10 @@ def session(request: BuildRequest) -> Iterator[Session]:
     ``request.replace`` (or, for the source alone, ``request.source_moved``).
     """
     source, opts = request.source, request.options
+    scanned_ns = time.time_ns()
     listing = source if isinstance(source, Listing) else scan_source(source)
+    # When a listing is given its scan time is unknown: no stamps, the quick check scans.
+    stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
     folder = Path(request.cache).expanduser().absolute()
     created = prepare_folder(folder)
     try:
@@ -150,7 +156,7 @@ def session(request: BuildRequest) -> Iterator[Session]:
             wanted = current
             if previous is not None:
                 wanted = to_match(previous.manifest, current, request.trust_decoder)
-            yield Session(request, listing, folder, previous, current, wanted)
+            yield Session(request, listing, folder, previous, current, wanted, stamps)
     except BaseException:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
@@ -446,6 +452,8 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     if trusted is not None:
         manifest.extra["trusted_decoder"] = trusted
+    if s.stamps is not None:
+        manifest.extra["source_stamps"] = s.stamps
     report = _finish_report(g, s, keep, offsets, data_bytes, sizes, skipped, warnings)
     return manifest, report
 

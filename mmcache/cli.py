@@ -623,7 +623,7 @@ def _share(part: int | None, whole: int) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     from .residency import cache_info
 
-    info = cache_info(args.cache)
+    info = cache_info(args.cache, source_check=args.source_check)
     if args.json:
         print(_json(info.to_json()))
         return 0
@@ -908,6 +908,13 @@ def _add_cache_tools(cmds: _Commands) -> None:
         "info", _cmd_info, "describe a cache and how much of it is in RAM", quiet_flag=False
     )
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument(
+        "--source-check",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick (default): the source counts as unchanged while its folders' mtimes are "
+        "those of the build (a file rewritten in place is not seen); full: stat every file",
+    )
 
     w = cmds.cache_command(
         "warm", _cmd_warm, "read a cache into the page cache, within a memory budget"
