@@ -114,8 +114,7 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
     if listing.kind != "folder":
         return None  # a list's files lie anywhere: only the full check sees them
     folders = {""}
-    for p in listing.paths:
-        d = posixpath.dirname(p)
+    for d in {p.rpartition("/")[0] for p in listing.paths}:  # each file's folder, once
         while d not in folders:
             folders.add(d)
             d = posixpath.dirname(d)

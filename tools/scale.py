@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The mmcache a step runs: this checkout's, or (--before) another's.
+sys.path.insert(0, os.environ.get("SCALE_MMCACHE", str(ROOT)))
 
 FULL = 1_281_167  # ImageNet's training images
 # The targets at 1.28 M files (seconds), scaled to N in the table.
@@ -95,8 +96,9 @@ def child(step: str, source: str, cache: str) -> dict:
     return out
 
 
-def run_step(step: str, source: Path, cache: Path) -> dict:
-    """``step`` in a fresh process: its report, wall seconds and peak RSS."""
+def run_step(step: str, source: Path, cache: Path, root: Path = ROOT) -> dict:
+    """``step`` in a fresh process, with the mmcache of checkout ``root``: its report, wall
+    seconds and peak RSS."""
     t = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--step", step, "--source", str(source), "--cache", str(cache)],
@@ -106,7 +108,8 @@ def run_step(step: str, source: Path, cache: Path) -> dict:
         # wherever an installed mmcache lies.
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+            "SCALE_MMCACHE": str(root),
         },
     )
     stdout = proc.stdout.read() if proc.stdout else ""
@@ -118,6 +121,25 @@ def run_step(step: str, source: Path, cache: Path) -> dict:
     result["wall"] = wall
     result["peak_rss"] = usage.ru_maxrss * 1024  # Linux: KiB
     return result
+
+
+def side_by_side(before: Path, folder: Path, cache: Path, repeat: int) -> None:
+    """The steps that read a built cache, with ``before``'s mmcache and this one's, alternating
+    (so that a busy machine slows both alike): the median of ``repeat`` runs of each."""
+    import statistics
+
+    print(f"\nside by side, median of {repeat} alternating runs: before = {before}")
+    print(f"{'step':32s} {'before s':>9s} {'after s':>9s} {'ratio':>6s} {'before RSS':>10s} "
+          f"{'after RSS':>10s}")  # fmt: skip
+    steps = ["build again, unchanged", "info", "dataset open", "first batch, 2 spawn workers"]
+    for name in steps:
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for _ in range(repeat):
+            runs["before"].append(run_step(name, folder, cache, before))
+            runs["after"].append(run_step(name, folder, cache, ROOT))
+        b, a = (statistics.median(r["seconds"] for r in runs[k]) for k in ("before", "after"))
+        rb, ra = (max(r["peak_rss"] for r in runs[k]) / 2**20 for k in ("before", "after"))
+        print(f"{name:32s} {b:9.3f} {a:9.3f} {b / a:5.1f}x {rb:8.0f} MB {ra:8.0f} MB")
 
 
 def make_source(folder: Path, outer: Path, images: int, classes: int) -> None:
@@ -148,6 +170,11 @@ def make_source(folder: Path, outer: Path, images: int, classes: int) -> None:
             info.size = inner.tell()
             inner.seek(0)
             out.addfile(info, inner)
+    # As a dataset that was not written a moment ago: folders last changed an hour ago (a build
+    # records the mtimes of folders older than its scan for the quick open-time check).
+    past = time.time_ns() - 3600 * 10**9
+    for d in [folder, *(p for p in folder.iterdir() if p.is_dir())]:
+        os.utime(d, ns=(past, past))
 
 
 def add_files(folder: Path, count: int) -> None:
@@ -166,6 +193,13 @@ def main() -> int:
         "--workdir", default=None, help="where the source and caches go (default: TMPDIR)"
     )
     p.add_argument("--keep", action="store_true", help="keep the source and caches")
+    p.add_argument(
+        "--before",
+        metavar="DIR",
+        help="another checkout of mmcache (say `git archive BASE | tar -x -C DIR`): time the "
+        "steps that read a built cache with both, side by side, --repeat times each",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="with --before: runs of each (median)")
     p.add_argument("--step", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -218,6 +252,8 @@ def main() -> int:
                 target += f"; {b:.0f} B/record held (<= 100: {'met' if b <= 100 else 'NOT met'})"
             print(f"{name:32s} {r['seconds']:8.2f} {r['wall']:9.2f} "
                   f"{r['peak_rss'] / 2**20:7.0f} MB  {target}")  # fmt: skip
+        if args.before:
+            side_by_side(Path(args.before), folder, cache, args.repeat)
         files = dict(rows)["build"]["seconds"]
         tar = dict(rows)["build from the tar of tars"]["seconds"]
         print(f"build from the tar of tars / from the files: {files / tar:.2f}x the speed "
