@@ -41,7 +41,9 @@ truncation check and reasons are exactly those of the same bytes in a file.
 
 from __future__ import annotations
 
+import calendar
 import io
+import json
 import os
 import posixpath
 import re
@@ -829,8 +831,6 @@ def _zip_data_offset(f: io.BufferedReader, info: zipfile.ZipInfo, root: Path) ->
 def _zip_mtime(info: zipfile.ZipInfo) -> int:
     """The member's time in ns, with its CRC-32 in the nanoseconds: a zip's times step by 2 s,
     so a member rewritten within them at the same size still reads as modified."""
-    import calendar
-
     try:
         seconds = calendar.timegm((*info.date_time, 0, 0, 0))
     except (ValueError, OverflowError):
@@ -892,6 +892,9 @@ def _scan_shards(
             if key not in groups:
                 groups[key] = {}
                 order.append(key)
+            if ext in groups[key]:
+                table.warn(f"{shard.name}/{name}", f"appears more than once in {shard.name}: "
+                           "the last copy is used, as extraction keeps it")  # fmt: skip
             groups[key][ext] = (name, row)
         with open(shard, "rb") as f:
             for key in order:
@@ -906,7 +909,11 @@ def _scan_shards(
                     continue
                 table.add(path, image[1], shard.name)
                 samples.append((path, label))
-    samples = [(p, lab) for p, lab in samples if p in table.rows]  # the last copy of a name
+    last: dict[str, str] = {}
+    for p, lab in samples:  # a name twice in a shard: its last copy, where that lies
+        last.pop(p, None)
+        last[p] = lab
+    samples = list(last.items())
     if not samples:
         raise SourceError(f"{root}: no labelled images found in the shards")
     numbers = [re.fullmatch(r"[+-]?\d+", lab) is not None for _, lab in samples]
@@ -930,8 +937,6 @@ def _scan_shards(
 
 def _sample_label(fd: int, group: dict[str, tuple[str, Row]], label_key: str | None) -> str:
     """A sample's label as text, or ``"\\0why not"``."""
-    import json
-
     ext = "json" if label_key is not None else "cls"
     member = group.get(ext)
     if member is None:

@@ -292,3 +292,36 @@ def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch)
     assert [fast.abspath(i) for i in range(len(fast))] == [
         slow.abspath(i) for i in range(len(slow))
     ]
+
+
+def test_a_shard_sample_without_a_label_or_twice_is_said(tmp_path):
+    first, second = (
+        write_image(tmp_path / f"{k}.jpg", 12, 10, seed=k).read_bytes() for k in (1, 2)
+    )
+    shard = tmp_path / "one.tar"
+    with tarfile.open(shard, "w") as t:
+        for name, data in (("a.jpg", first), ("a.cls", b"1"), ("b.jpg", first),
+                           ("a.jpg", second), ("a.cls", b"0")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    listing = scan_source(shard)
+    assert (listing.kind, listing.paths, listing.labels.tolist()) == (
+        "webdataset",
+        ["one.tar/a.jpg"],
+        [0],
+    )
+    reasons = {w["path"]: w["reason"] for w in listing.warnings}
+    assert "no .cls member" in reasons["one.tar/b.jpg"]
+    assert "last copy" in reasons["one.tar/a.jpg"]
+    build_cache(listing, tmp_path / "c", workers=0)
+    assert cache_bytes(tmp_path / "c")[3][0] == cache_bytes_of(second, tmp_path)
+
+
+def cache_bytes_of(image: bytes, tmp_path: Path) -> bytes:
+    """The record a build stores for these image bytes (as a file)."""
+    folder = tmp_path / "single"
+    folder.mkdir()
+    (folder / "x.jpg").write_bytes(image)
+    build_cache(folder, tmp_path / "single-cache", workers=0)
+    return cache_bytes(tmp_path / "single-cache")[3][0]
