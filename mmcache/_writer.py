@@ -207,8 +207,12 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
+    stale_stamps = s.stamps is not None and m.extra.get("source_stamps") != s.stamps
+    if stale_stamps:  # this build listed the source in full: its stamps are as good and newer
+        m.extra["source_stamps"] = s.stamps
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
+    if report.trusted_decoder or stale_stamps:
         write_manifest(m)
     return report
 

@@ -83,3 +83,15 @@ def test_an_archive_is_checked_by_its_size_and_mtime(tmp_path):
         t.add(write_image(tmp_path / "n.jpg", 16, 16, seed=3), "a/new.jpg")
     with pytest.warns(StaleCacheWarning, match="1 added"):
         MemmapImageDataset(tmp_path / "cache")
+
+
+def test_an_unchanged_build_renews_the_stamps_a_refresh_could_not_take(tmp_path):
+    src = aged(make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2}))
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    write_image(src / "a" / "new.jpg", 16, 16, seed=4)  # a refresh just after: "a" unknown
+    build_cache(src, cache, workers=0)
+    assert fmt.read_manifest(cache).extra["source_stamps"]["folders"]["a"] == -1
+    aged(src)  # (time passes)
+    assert build_cache(src, cache, workers=0).up_to_date
+    assert fmt.read_manifest(cache).extra["source_stamps"]["folders"]["a"] == LONG_AGO

@@ -233,6 +233,8 @@ def main() -> int:
         rows = []
         for name, source, dest in steps:
             if name.startswith("refresh"):
+                if args.before:  # (before the refresh: its new files make a changed source)
+                    side_by_side(Path(args.before), folder, cache, args.repeat)
                 add_files(folder, max(1, n // 1000))
             r = run_step(name, source, dest)
             rows.append((name, r))
@@ -252,8 +254,6 @@ def main() -> int:
                 target += f"; {b:.0f} B/record held (<= 100: {'met' if b <= 100 else 'NOT met'})"
             print(f"{name:32s} {r['seconds']:8.2f} {r['wall']:9.2f} "
                   f"{r['peak_rss'] / 2**20:7.0f} MB  {target}")  # fmt: skip
-        if args.before:
-            side_by_side(Path(args.before), folder, cache, args.repeat)
         files = dict(rows)["build"]["seconds"]
         tar = dict(rows)["build from the tar of tars"]["seconds"]
         print(f"build from the tar of tars / from the files: {files / tar:.2f}x the speed "
