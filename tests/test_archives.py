@@ -325,3 +325,12 @@ def cache_bytes_of(image: bytes, tmp_path: Path) -> bytes:
     (folder / "x.jpg").write_bytes(image)
     build_cache(folder, tmp_path / "single-cache", workers=0)
     return cache_bytes(tmp_path / "single-cache")[3][0]
+
+
+def test_plan_reads_the_members_headers(tmp_path, src):
+    from mmcache import plan_cache
+
+    tar = tar_of(src, tmp_path / "train.tar")
+    expected, planned = plan_cache(src, short_side=24), plan_cache(tar, short_side=24)
+    assert (planned.files, planned.data_bytes) == (expected.files, expected.data_bytes)
+    assert main_out(["plan", str(tar)]).count("\n") > 3
