@@ -15,10 +15,12 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
+from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
 from ._files import write_pixels, write_state
 from .annotations import MASK_PATH, MASK_STAT
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
+from .scan import IMAGE_EXTENSIONS
 from .space import disk_full_error
 
 
@@ -29,6 +31,9 @@ class RecordFiller:
         m = files.manifest
         self.files = files
         self.root = str(m.source.get("root", ""))
+        # An archive's members are found by listing it again (their offsets are not recorded).
+        archive = m.source.get("kind") in ARCHIVE_KINDS
+        self.members = MemberFinder(m.source, IMAGE_EXTENSIONS) if archive else None
         try:
             self.options = Options.from_json(m.options)
         except (TypeError, ValueError) as e:
@@ -54,13 +59,14 @@ class RecordFiller:
         rel = self.files.path(i)
         if fmt.check_relative_path(rel) is not None:
             raise CacheFormatError(f"{self.files.manifest.path}: unsafe source path {rel!r}")
-        code, crc, _, pixels = decode_record(
-            os.path.join(self.root, rel),
-            int(r["source_size"]),
-            int(r["source_mtime_ns"]),
-            self.options,
-            mask=self.mask_file(i),
-        )
+        size, mtime = int(r["source_size"]), int(r["source_mtime_ns"])
+        if self.members is None:
+            code, crc, _, pixels = decode_record(
+                os.path.join(self.root, rel), size, mtime, self.options, mask=self.mask_file(i)
+            )
+        else:
+            ref = self.members.ref(rel, size, mtime)
+            code, crc, _, pixels = decode_member(ref, size, mtime, self.options)
         if pixels is not None and px.image_shape(pixels) != self.files.shape(i):
             # The header promised another size (a lying header, an orientation the probe read
             # differently): the record's place is fixed, so the file is refused, never cropped.

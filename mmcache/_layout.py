@@ -74,7 +74,10 @@ def probe_sizes(
     hw = np.zeros((n, 2), np.int64)
     for k, i in enumerate(records.tolist()):
         try:
-            size = probe_size(listing.abspath(i))
+            if listing.members is not None:  # an archive's member
+                size = listing.members.probe(i)
+            else:
+                size = probe_size(listing.abspath(i))
         except OSError:
             size = None
         if size is not None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
+from ._archives import ARCHIVE_KINDS
 from ._filler import RecordFiller
 from .decode import undecodable_reason
 from .errors import CacheFormatError, DecodeError
@@ -337,7 +338,8 @@ class RecordReader:
         path = os.path.join(root, self.files.path(i))
         code = int(self.codes[i])
         reason = fmt.BAD_REASONS.get(code, "unknown state")
-        if code == fmt.BAD_UNDECODABLE:
+        archive = self.manifest.source.get("kind") in ARCHIVE_KINDS  # no file to look at
+        if code == fmt.BAD_UNDECODABLE and not archive:
             reason = undecodable_reason(path)  # what the file is, when it is still there
         return f"{path}: {reason}"
 

@@ -9,15 +9,17 @@ as this machine's), ``is_current`` and, for people, ``stale_reason``. Kept free 
 from __future__ import annotations
 
 import os
+import posixpath
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from . import format as fmt
 from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
-from .scan import Listing, diff_listings, scan_source
+from .scan import Listing, diff_listings, scan_source, source_exists
 
 
 def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
@@ -38,7 +40,7 @@ def rescan(m: fmt.Manifest) -> Listing:
     Raises:
         SourceError: as ``scan_source`` and ``annotate``.
     """
-    listing = scan_source(recorded_source(m))
+    listing = scan_source(recorded_source(m), label_key=m.source.get("label_key"))
     listing.annotations = annotate(listing, m.source.get("masks"), m.source.get("coco"))
     return listing
 
@@ -106,10 +108,75 @@ def carried_trust(m: fmt.Manifest, wanted: dict[str, str], current: dict[str, st
     return m.extra.get("trusted_decoder")
 
 
-def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str | None:
+# Folders whose mtimes a manifest records at most (~50 bytes each in the manifest); a source of
+# more folders gets no stamps and every open-time check scans it in full.
+MAX_STAMPED_FOLDERS = 100_000
+SOURCE_CHECKS = ("quick", "full")
+
+
+def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
+    """What the quick check (``stamps_match``) compares: the mtime of each folder of a folder
+    source (the root and every folder above a listed file), or each archive's size and mtime.
+
+    ``scanned_ns``: when the scan began. A folder modified after that (or within a second of
+    it, for file systems of coarse times) may have changed after the scan saw it: it is stamped
+    -1, which no check matches, so the open-time check scans the source in full.
+    """
+    if listing.members is not None:
+        archives = listing.members.archives
+        return {"archives": {a: list(st) for a, st in zip(archives, listing.members.stats)}}
+    if listing.kind != "folder":
+        return None  # a list's files lie anywhere: only the full check sees them
+    folders = {""}
+    for d in {p.rpartition("/")[0] for p in listing.paths}:  # each file's folder, once
+        while d not in folders:
+            folders.add(d)
+            d = posixpath.dirname(d)
+    if len(folders) > MAX_STAMPED_FOLDERS:
+        return None
+    stamps = {}
+    for rel in sorted(folders):
+        try:
+            mtime = os.stat(os.path.join(listing.root, rel)).st_mtime_ns
+        except OSError:
+            mtime = -1
+        stamps[rel] = mtime if mtime < scanned_ns - 1_000_000_000 else -1
+    return {"folders": stamps}
+
+
+def stamps_match(m: fmt.Manifest) -> bool:
+    """The quick check: whether every folder of the source still has the mtime the build
+    recorded (or every archive its size and mtime). A folder's mtime changes when a file in it
+    is added, removed or renamed (so also when one is replaced by a rename, as most tools that
+    write files safely do), not when a file's bytes are rewritten in place: that is the full
+    check's to see (``stale_reason`` without ``quick``, and every build)."""
+    stamps = m.extra.get("source_stamps")
+    if not isinstance(stamps, dict):
+        return False
+    try:
+        if "archives" in stamps:
+            for path, (size, mtime) in stamps["archives"].items():
+                st = os.stat(path)
+                if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                    return False
+            return True
+        root = m.source["root"]
+        return all(
+            t >= 0 and os.stat(os.path.join(root, rel)).st_mtime_ns == t
+            for rel, t in stamps["folders"].items()
+        )
+    except (OSError, TypeError, ValueError, KeyError, AttributeError):
+        return False
+
+
+def stale_reason(
+    files: fmt.CacheFiles, listing: Listing | None = None, quick: bool = False
+) -> str | None:
     """Why a cache no longer matches its source or decoder, or None if it still does.
 
     ``listing``: the source to compare with (default: scan the source the cache records).
+    ``quick``: when the build's stamps of the source still match (``stamps_match``: folder
+    mtimes, or archive sizes and mtimes), take the source as unchanged without scanning it.
     """
     m = files.manifest
     reasons = []
@@ -118,9 +185,9 @@ def stale_reason(files: fmt.CacheFiles, listing: Listing | None = None) -> str |
             f"it was decoded by {_versions(m.decoder)}, this machine decodes with "
             f"{_versions(None)} (`mmcache build --trust-decoder` keeps it as it is)"
         )
-    if listing is None:
+    if listing is None and not (quick and stamps_match(m)):
         source = recorded_source(m)
-        if source and Path(source).exists():
+        if source and source_exists(source):
             try:
                 listing = rescan(m)
             except Exception as e:  # a source that now fails to scan has changed, in a way

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
+from ._archives import decode_member, is_member
 from ._files import write_pixels
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
@@ -414,9 +415,12 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pa
 
 
 def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Result:
-    code, crc, message, pixels = decode_record(
-        job.path, job.size, job.mtime_ns, opts, capture, job.mask
-    )
+    if is_member(job.path):  # an archive's member
+        code, crc, message, pixels = decode_member(job.path, job.size, job.mtime_ns, opts, capture)
+    else:
+        code, crc, message, pixels = decode_record(
+            job.path, job.size, job.mtime_ns, opts, capture, job.mask
+        )
     if code != fmt.FILLED:
         return Result(job.record, code, 0, message, None)
     assert pixels is not None  # a FILLED record comes with its pixels

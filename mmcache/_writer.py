@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import numpy as np
 from . import _generation as generation
 from . import format as fmt
 from . import pixels as px
+from ._archives import ARCHIVE_KINDS, RecordedMembers
 from ._feedback import human_bytes
 from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
@@ -51,6 +53,7 @@ from ._staleness import (
     same_options,
     same_source,
     source_of,
+    source_stamps,
     to_match,
     trust_record,
 )
@@ -65,9 +68,8 @@ from .errors import (
     SourceError,
     StrictBuildError,
 )
-from .probe import probe_size
 from .reports import BuildReport, ProgressFn
-from .scan import Listing, scan_source
+from .scan import IMAGE_EXTENSIONS, Listing, scan_source
 from .space import (
     check_free_space,
     disk_bytes,
@@ -126,6 +128,7 @@ class Session:
     previous: fmt.CacheFiles | None
     current: dict[str, str]
     wanted: dict[str, str]
+    stamps: dict[str, Any] | None = None  # what the quick open-time check compares
 
     @property
     def lazy(self) -> bool:
@@ -140,9 +143,12 @@ def session(request: BuildRequest) -> Iterator[Session]:
     ``request.replace`` (or, for the source alone, ``request.source_moved``).
     """
     source, opts = request.source, request.options
+    scanned_ns = time.time_ns()
     listing = source if isinstance(source, Listing) else scan_source(source)
     if request.masks is not None or request.coco is not None or request.fields:
         listing.annotations = annotate(listing, request.masks, request.coco, request.fields)
+    # When a listing is given its scan time is unknown: no stamps, the quick check scans.
+    stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
     folder = Path(request.cache).expanduser().absolute()
     created = prepare_folder(folder)
     try:
@@ -163,7 +169,7 @@ def session(request: BuildRequest) -> Iterator[Session]:
             wanted = current
             if previous is not None:
                 wanted = to_match(previous.manifest, current, request.trust_decoder)
-            yield Session(request, listing, folder, previous, current, wanted)
+            yield Session(request, listing, folder, previous, current, wanted, stamps)
     except BaseException:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
@@ -214,8 +220,12 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
+    stale_stamps = s.stamps is not None and m.extra.get("source_stamps") != s.stamps
+    if stale_stamps:  # this build listed the source in full: its stamps are as good and newer
+        m.extra["source_stamps"] = s.stamps
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
+    if report.trusted_decoder or stale_stamps:
         write_manifest(m)
     return report
 
@@ -476,6 +486,8 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     )
     if trusted is not None:
         manifest.extra["trusted_decoder"] = trusted
+    if s.stamps is not None:
+        manifest.extra["source_stamps"] = s.stamps
     report = _finish_report(g, s, keep, offsets, data_bytes, sizes, skipped, warnings)
     return manifest, report
 
@@ -643,7 +655,7 @@ def redecode(
 def _recorded_listing(files: fmt.CacheFiles) -> Listing:
     """The listing a cache's records were made from, as its manifest and index record it."""
     m, n = files.manifest, len(files.index)
-    return Listing(
+    listing = Listing(
         root=Path(m.source["root"]),
         kind=m.source.get("kind", "folder"),
         list_file=None,
@@ -654,6 +666,11 @@ def _recorded_listing(files: fmt.CacheFiles) -> Listing:
         mtimes=files.index["source_mtime_ns"].astype(np.int64),
         annotations=recorded_annotations(files),
     )
+    if listing.kind in ARCHIVE_KINDS:  # members are found by listing the archive again
+        listing.members = RecordedMembers(
+            m.source, IMAGE_EXTENSIONS, listing.paths, listing.sizes, listing.mtimes
+        )
+    return listing
 
 
 def _layout_after(files: fmt.CacheFiles, todo: list[int]) -> tuple[Layout, int]:
@@ -682,7 +699,7 @@ def _garbage_share(layout: Layout) -> float:
 def _too_large(listing: Listing, i: int, opts: Options) -> str:
     """Why file ``i``, refused from its header, is over the pixel limit: its size, the limit."""
     try:
-        native = probe_size(listing.abspath(i))
+        native = listing.probe(i)
     except OSError:
         native = None
     if native is None:  # (it was readable when planned; changed since)

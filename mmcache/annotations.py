@@ -161,6 +161,11 @@ def annotate(
         return None
     a = Annotations()
     n = len(listing.paths)
+    if masks is not None and getattr(listing, "members", None) is not None:
+        raise SourceError(
+            f"{listing.root}: masks pair with images in a folder, not in an archive; extract "
+            "the images (or build without --masks)"
+        )
     if masks is not None:
         a.masks_root = Path(masks).expanduser().absolute()
         a.mask_paths, a.mask_stats = _pair_masks(listing.paths, a.masks_root)

@@ -64,8 +64,10 @@ def build_cache(
     cache is completed: its filled records are kept, the rest decoded in place.
 
     Args:
-        source: an ImageFolder-style folder, a flat folder of images, or a ``path,label`` list
-            (or its ``Listing``, from ``scan_source``).
+        source: an ImageFolder-style folder, a flat folder of images, a ``path,label`` list,
+            or an archive read in place (a ``.tar`` of class folders or of one tar per class,
+            a ``.zip``, WebDataset shards; docs/archives.md); or its ``Listing``, from
+            ``scan_source`` (which takes the ``label_key`` of WebDataset ``.json`` labels).
         cache: the cache folder to create or update.
         workers: decode processes (default: all cores); 0 decodes in this process, without
             the protection from decoder crashes (for debuggers and profilers).

@@ -35,6 +35,7 @@ from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
 from .reports import BuildReport
 from .residency import DEFAULT_MAX_MEMORY
+from .scan import Listing, scan_source
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -357,7 +358,7 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
             "workers", "strict", "force", "trust_decoder", "replace", "source_moved", "compact_at",
         )  # fmt: skip
         report = build_cache(
-            args.source,
+            _source(args),
             args.cache,
             progress=bar,
             masks=args.masks,
@@ -487,12 +488,34 @@ def _layout_words(layout: str) -> str:
     return f"{layout} (H x W x C)"
 
 
+def _source(args: argparse.Namespace) -> str | Listing:
+    """The source to build or plan: its path, or, with ``--label-key``, its listing."""
+    if args.label_key is None:
+        return str(args.source)
+    return scan_source(args.source, label_key=args.label_key)
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source",
+        help="image folder (class subfolders or flat), path,label list, or an archive: a .tar "
+        "(of class folders, or of one tar per class), a .zip, WebDataset shards (a folder of "
+        ".tar, or a pattern such as 'train-{0000..0146}.tar')",
+    )
+    p.add_argument(
+        "--label-key",
+        metavar="FIELD",
+        help="WebDataset shards: take each sample's label from this field of its .json member "
+        "(default: its .cls member)",
+    )
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan_cache
 
     bar = _Progress("reading headers", unit="file", delay=0.5)
     try:
-        plan = plan_cache(args.source, args.cache, progress=bar, **_preprocessing_kwargs(args))
+        plan = plan_cache(_source(args), args.cache, progress=bar, **_preprocessing_kwargs(args))
     finally:
         bar.close()
     _print_plan(plan, print)
@@ -622,7 +645,7 @@ def _share(part: int | None, whole: int) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     from .residency import cache_info
 
-    info = cache_info(args.cache)
+    info = cache_info(args.cache, source_check=args.source_check)
     if args.json:
         print(_json(info.to_json()))
         return 0
@@ -784,7 +807,7 @@ class _Commands:
 
 def _add_build(cmds: _Commands) -> None:
     b = cmds.command("build", "decode a source folder or list into a cache", parents=[cmds.quiet])
-    b.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
+    _add_source(b)
     b.add_argument("cache", help="cache folder to create or update")
     _add_preprocessing(b)
     b.add_argument(
@@ -895,7 +918,7 @@ def _add_copy_and_plan(cmds: _Commands) -> None:
     pl = cmds.command(
         "plan", "how big a cache would be under each resize policy (reads headers only)"
     )
-    pl.add_argument("source", help="image folder (class subfolders or flat) or path,label list")
+    _add_source(pl)
     pl.add_argument("cache", nargs="?", help="cache folder a build would write (for free space)")
     _add_preprocessing(pl)
     pl.set_defaults(func=_cmd_plan, quiet=False)
@@ -927,6 +950,13 @@ def _add_cache_tools(cmds: _Commands) -> None:
         "info", _cmd_info, "describe a cache and how much of it is in RAM", quiet_flag=False
     )
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument(
+        "--source-check",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick (default): the source counts as unchanged while its folders' mtimes are "
+        "those of the build (a file rewritten in place is not seen); full: stat every file",
+    )
 
     w = cmds.cache_command(
         "warm", _cmd_warm, "read a cache into the page cache, within a memory budget"

@@ -29,7 +29,14 @@ from torch.utils.data import Dataset
 from . import format as fmt
 from . import pixels as px
 from ._records import RecordReader, open_reader
-from ._staleness import rebuild_advice, rescan, same_options, same_source, stale_reason
+from ._staleness import (
+    SOURCE_CHECKS,
+    rebuild_advice,
+    rescan,
+    same_options,
+    same_source,
+    stale_reason,
+)
 from .annotations import annotate
 from .build import build_cache, create_lazy_cache
 from .decode import Options
@@ -108,6 +115,12 @@ class MemmapImageDataset(Dataset):
             ``SourceChangedError`` or ``OptionsChangedError``.
         source_moved: in lazy mode, accept a cache made from another folder as ``source``'s
             (the same images moved there), as ``build_cache`` does.
+        source_check: how ``on_stale`` finds a changed source. ``"quick"`` (default): the
+            source is taken as unchanged, without listing it, while every folder of it has the
+            mtime the build recorded (an archive, its size and mtime): files added, removed or
+            renamed (or replaced by a rename) are seen, a file rewritten in place is not.
+            ``"full"``: list the source and compare each file's size and mtime, as every
+            ``mmcache build`` does (docs/refresh.md).
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
@@ -142,10 +155,14 @@ class MemmapImageDataset(Dataset):
         source_moved: bool = False,
         masks: str | os.PathLike | None = None,
         coco: str | os.PathLike | None = None,
+        source_check: str = "quick",
         **options: Any,
     ) -> None:
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
+        if source_check not in SOURCE_CHECKS:
+            raise ValueError(f"source_check must be 'quick' or 'full', got {source_check!r}")
+        self.source_check = source_check
         if on_bad not in ON_BAD:
             raise ValueError(f"on_bad must be one of {', '.join(ON_BAD)}, got {on_bad!r}")
         if verify not in VERIFY:
@@ -207,7 +224,7 @@ class MemmapImageDataset(Dataset):
         assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
-        reason = stale_reason(files, listing)
+        reason = stale_reason(files, listing, quick=self.source_check == "quick")
         if reason is None:
             return files
         if on_stale == "refresh":

@@ -248,19 +248,21 @@ _REDUCED_FLAGS = {
 
 
 def read_image(
-    path: str | os.PathLike, options: Options
+    path: str | os.PathLike, options: Options, name: str | None = None
 ) -> tuple[np.ndarray | None, tuple[int, int] | None]:
     """``cv2.imread`` as ``options`` ask: ``(image or None, native (height, width))``.
 
     The native size differs from the image's only with ``reduced_decode``, for a JPEG that the
     options shrink by 2x or more: it is then read at the largest scale factor that keeps both
-    sides at least the output size.
+    sides at least the output size. ``name``: the name whose extension says "JPEG", when
+    ``path`` has none (an archive member's bytes in a memory file).
     """
     path = os.fspath(path)
+    jpeg = (name or path).lower().endswith((".jpg", ".jpeg"))
     with _imread_name(path) as name:
         if name is None:
             return None, None
-        if options.reduced_decode and path.lower().endswith((".jpg", ".jpeg")):
+        if options.reduced_decode and jpeg:
             native = probe_size(name)
             if native is not None:
                 oh, ow, _ = options.output_shape(*native)
@@ -385,6 +387,7 @@ def decode_record(
     opts: Options,
     capture: StderrCapture | None = None,
     mask: tuple[str, int, int] | None = None,
+    name: str | None = None,
 ) -> tuple[int, int, str, np.ndarray | None]:
     """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
 
@@ -395,7 +398,7 @@ def decode_record(
     The file must have the size and mtime it was listed with, before and after decoding, or it
     is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
     is None unless the code is ``FILLED``; ``message`` is what the decoder printed (collected
-    only with a ``capture``) or why the file is bad.
+    only with a ``capture``) or why the file is bad. ``name``: as ``read_image``'s.
     """
     try:
         before = os.stat(path)
@@ -406,11 +409,11 @@ def decode_record(
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
     if capture is None:
-        img, native = read_image(path, opts)
+        img, native = read_image(path, opts, name)
         message = ""
     else:
         with capture:
-            img, native = read_image(path, opts)
+            img, native = read_image(path, opts, name)
         message = capture.text()
     if img is None:
         if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault

@@ -33,7 +33,10 @@ A cache is one folder; move or copy it as a unit. Its files:
       layouts below, spelled as numpy dtype descriptions, which MUST equal them exactly.
     - ``"mode"``: ``"build"`` (every record filled when published) or ``"lazy"`` (records are
       filled on first read, see ``state``).
-    - ``"source"``: ``{"root", "kind"}`` with kind ``"folder"`` or ``"list"`` (and ``"list_file"``).
+    - ``"source"``: ``{"root", "kind"}`` with kind ``"folder"`` or ``"list"`` (and ``"list_file"``),
+      or an archive's: ``"tar"``, ``"zip"``, ``"webdataset"`` (``root`` the archive, the folder
+      of shards or their brace pattern; optional ``"pattern"`` and ``"label_key"``); paths are
+      then member names.
     - ``"options"``: the preprocessing, as ``Options.to_json``; ``"classes"``: class names, index
       = label. ``options["pixels"]`` names the record layout (``mmcache.pixels``): absent or
       ``"rgb"``, or ``"yuv420"`` (3.x only). A reader MUST refuse a layout it does not know.
@@ -591,9 +594,15 @@ def _check_manifest_checksum(
     return checksums
 
 
+# What a source can be: a folder, a list file, or an archive read in place (mmcache._archives).
+SOURCE_KINDS = ("folder", "list", "tar", "zip", "webdataset")
+
+
 def _check_source(source: dict[str, Any], mpath: Path) -> None:
     kind = source.get("kind")
-    expect(kind in ("folder", "list"), mpath, f"source kind {kind!r} is not folder or list")
+    expect(
+        kind in SOURCE_KINDS, mpath, f"source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}"
+    )
     keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
     keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches (4.x)
     for key in keys:

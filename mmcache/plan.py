@@ -159,7 +159,7 @@ class CachePlan:
 
 
 def plan_cache(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Listing,
     cache: str | os.PathLike | None = None,
     *,
     progress: ProgressFn | None = None,
@@ -169,7 +169,8 @@ def plan_cache(
     and whether it fits at ``cache`` and in RAM; reads only file headers, decodes nothing.
 
     Args:
-        source: what ``build_cache`` takes: a class-folder tree, a flat folder or a list.
+        source: what ``build_cache`` takes: a class-folder tree, a flat folder, a list, an
+            archive, or a ``Listing``.
         cache: the cache folder a build would write (it need not exist): for its free space.
         progress: called as ``progress(done, total)`` while headers are read.
         **options: the build's preprocessing, as ``Options`` fields (``short_side=256``, ...).
@@ -184,7 +185,7 @@ def plan_cache(
     """
     opts = Options(**options)
     start = time.perf_counter()
-    listing = scan_source(source)
+    listing = source if isinstance(source, Listing) else scan_source(source)
     hw = probe_sizes(listing, progress)
     known = hw[:, 0] > 0
 

@@ -70,12 +70,13 @@ class _Reader:
     segment walk has moved on; the second block follows wherever the walk seeks.
     """
 
-    __slots__ = ("_fd", "_win", "_win_at", "head", "size")
+    __slots__ = ("_base", "_fd", "_win", "_win_at", "head", "size")
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, base: int = 0) -> None:
         self._fd = fd
+        self._base = base  # where the image starts in the file (a member of an archive)
         self.size = size
-        self.head = _pread(fd, _BLOCK, 0)
+        self.head = _pread(fd, min(_BLOCK, size), base)
         self._win = b""
         self._win_at = 0
 
@@ -91,7 +92,7 @@ class _Reader:
             return self._win[offset - at : end - at]
         if n <= 0 or offset >= self.size:
             return b""
-        data = _pread(self._fd, max(n, _BLOCK), offset)
+        data = _pread(self._fd, min(max(n, _BLOCK), self.size - offset), self._base + offset)
         self._win = data
         self._win_at = offset
         return data[:n]
@@ -100,6 +101,15 @@ class _Reader:
         """Return the byte at ``offset``, or -1 at end of file."""
         data = self.read(offset, 1)
         return data[0] if data else -1
+
+
+def probe_region(fd: int, start: int, size: int) -> tuple[int, int] | None:
+    """``probe_size`` of the image whose ``size`` bytes start at ``start`` of the open file
+    ``fd`` (a member of an uncompressed archive); reads nothing outside them."""
+    try:
+        return _probe(_Reader(fd, size, start))
+    except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
+        return None
 
 
 def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:

@@ -225,13 +225,18 @@ def parse_memory(text: str | int, total: int) -> int:
 # the public verbs ----------------------------------------------------------------------------
 
 
-def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheInfo:
+def cache_info(
+    cache: str | os.PathLike, *, check_stale: bool = True, source_check: str = "quick"
+) -> CacheInfo:
     """Describe a cache, with how much of it is in RAM right now.
 
     Args:
         cache: a cache folder.
         check_stale: compare against the source listing and decoder (scans the source folder,
             when it is there); False skips that and reports ``stale=None``.
+        source_check: ``"quick"``: take the source as unchanged, without scanning it, when
+            its folders' mtimes (an archive's size and mtime) are those the build recorded
+            (docs/refresh.md says what that sees); ``"full"``: scan it.
 
     Examples:
         >>> info = cache_info("cache/train")  # doctest: +SKIP
@@ -274,7 +279,7 @@ def cache_info(cache: str | os.PathLike, *, check_stale: bool = True) -> CacheIn
         options=dict(m.options),
         skipped=list(m.skipped) + found_bad(files),  # and what lazy fills found bad
         warnings=list(m.warnings),
-        stale=stale_reason(files) if check_stale else None,
+        stale=stale_reason(files, quick=source_check == "quick") if check_stale else None,
         source=recorded_source(m),
         source_found=Path(recorded_source(m)).exists(),
         resident_bytes=resident_bytes(m.file("data"), 0, m.sizes["data"]),

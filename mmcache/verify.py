@@ -19,10 +19,12 @@ import numpy as np
 
 from . import _writer as writer
 from . import format as fmt
+from ._archives import ARCHIVE_KINDS, RecordedMembers, member_file
 from ._generation import remove_stale_generations, writer_lock
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
+from .scan import IMAGE_EXTENSIONS
 
 __all__ = ["repair_cache", "verify_cache"]
 
@@ -256,12 +258,25 @@ def _compare_source(
     except (TypeError, ValueError) as e:
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
     root = Path(m.source["root"])
+    members = None
+    if m.source.get("kind") in ARCHIVE_KINDS:  # found by listing the archive again
+        sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
+        members = RecordedMembers(m.source, IMAGE_EXTENSIONS, files.paths(), sizes, mtimes)
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}
     with open(path, "rb") as f:
         for done, r in enumerate(records, 1):
-            if int(r) not in known:  # a record already found bad is not compared again
+            if int(r) in known:  # a record already found bad is not compared again
+                pass
+            elif members is not None:  # an archive's member, its bytes in a memory file
+                with member_file(members.ref(int(r))) as name:
+                    if name is None:
+                        report.source_unavailable += 1
+                    else:
+                        _compare_one(f, files, int(r), Path(name), options, report,
+                                     files.path(int(r)))  # fmt: skip
+            else:
                 src = root / files.path(int(r))
                 rec = index[r]
                 try:
@@ -280,14 +295,20 @@ def _compare_source(
 
 
 def _compare_one(
-    f, files: fmt.CacheFiles, r: int, src: Path, options: Options, report: VerifyReport
+    f,
+    files: fmt.CacheFiles,
+    r: int,
+    src: Path,
+    options: Options,
+    report: VerifyReport,
+    name: str | None = None,
 ) -> None:
     rec = files.index[r]
     shape = files.shape(r)
     rel = files.path(r)
     # As the build decodes (cv2.imread, then preprocess), but with the output shape checked
     # before resizing: options from a damaged manifest must not make us allocate gigabytes.
-    img, native = read_image(src, options)
+    img, native = read_image(src, options, name)
     if img is None:
         report.bad.append(BadRecord(r, rel, "its source no longer decodes"))
         return

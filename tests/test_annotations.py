@@ -425,3 +425,13 @@ def test_views_of_an_annotated_cache_are_refused(seg_cache):
 
     with pytest.raises(ValueError, match="views= of a cache with masks or boxes"):
         BatchLoader(MemmapImageDataset(seg_cache), 4, views=[(RandomResizedCrop(16), 2)])
+
+
+def test_masks_with_an_archive_source_are_refused(seg, tmp_path):
+    import tarfile
+
+    images, masks = seg
+    with tarfile.open(tmp_path / "images.tar", "w") as tar:
+        tar.add(images, arcname="images")
+    with pytest.raises(SourceError, match="masks pair with images in a folder, not in an archive"):
+        build_cache(tmp_path / "images.tar", tmp_path / "c", masks=masks, workers=0)

@@ -1,0 +1,336 @@
+"""Archives as sources: a tar, a tar of tars, WebDataset shards and a zip build the cache their
+extracted files build, byte for byte; hostile, truncated and damaged archives are named."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_folder, write_image
+
+from mmcache import build_cache, create_lazy_cache, scan_source
+from mmcache import format as fmt
+from mmcache.cli import main
+from mmcache.errors import SourceError
+
+
+def cache_bytes(cache: Path) -> tuple[list[str], list[str], list[int], list[bytes]]:
+    """(classes, paths, labels, each record's stored bytes): what two caches must share."""
+    files = fmt.read_cache_files(fmt.read_manifest(cache))
+    data = files.manifest.file("data").read_bytes()
+    nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
+    pixels = [data[int(o) : int(o) + int(n)] for o, n in zip(files.index["offset"], nbytes)]
+    labels = files.index["label"].tolist()
+    return list(files.manifest.classes), files.paths(), labels, pixels
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    """Two classes, JPEGs and PNGs of mixed sizes, one in a subfolder, a hidden file."""
+    root = make_folder(tmp_path / "src", {"cat": [(40, 30), (31, 17)], "dog": [(20, 36)]})
+    write_image(root / "cat" / "deep" / "x.png", 25, 19, seed=7)
+    write_image(root / "dog" / "b.png", 18, 22, seed=8)
+    (root / "dog" / ".hidden.jpg").write_bytes(b"not listed")
+    (root / "dog" / "notes.txt").write_text("not an image")
+    return root
+
+
+def tar_of(folder: Path, dest: Path) -> Path:
+    """``tar -C folder -cf dest .``: the members are ``./cls/...``."""
+    with tarfile.open(dest, "w") as t:
+        t.add(folder, ".")
+    return dest
+
+
+def test_tar_zip_and_tar_of_tars_equal_the_extracted_folder(tmp_path, src):
+    expected = build_cache(src, tmp_path / "ref", workers=0, short_side=24)
+    tar = tar_of(src, tmp_path / "train.tar")
+    outer = tmp_path / "ILSVRC_train.tar"
+    with tarfile.open(outer, "w") as t:
+        for cls in ("cat", "dog"):  # one tar per class, its images flat or below
+            tar_of(src / cls, tmp_path / f"{cls}.tar")
+            t.add(tmp_path / f"{cls}.tar", f"{cls}.tar")
+    zipped = tmp_path / "train.zip"
+    with zipfile.ZipFile(zipped, "w") as z:
+        for p in sorted(src.rglob("*")):
+            kind = zipfile.ZIP_STORED if p.suffix == ".png" else zipfile.ZIP_DEFLATED
+            z.write(p, p.relative_to(src).as_posix(), compress_type=kind)
+    ref = cache_bytes(tmp_path / "ref")
+    for archive, kind in ((tar, "tar"), (outer, "tar"), (zipped, "zip")):
+        cache = tmp_path / f"c-{archive.name}"
+        report = build_cache(archive, cache, workers=0, short_side=24)
+        assert report.images == expected.images and not report.skipped
+        assert cache_bytes(cache) == ref, archive.name
+        assert fmt.read_manifest(cache).source == {"root": str(archive), "kind": kind}
+    # The decode workers (other processes) read the members as well; the cache is then current.
+    report = build_cache(tar, tmp_path / "w", workers=1, short_side=24)
+    assert cache_bytes(tmp_path / "w") == ref
+    assert build_cache(tar, tmp_path / "w", workers=1, short_side=24).up_to_date
+
+
+def shards(tmp_path: Path, src: Path, labels: str) -> tuple[Path, Path]:
+    """Two WebDataset shards of ``src``'s images (``key.jpg`` + ``key.cls`` or ``key.json``),
+    and the list file of the same images, extracted, with the same labels."""
+    images = sorted(p for p in src.rglob("*") if p.suffix in (".jpg", ".png") and p.name[0] != ".")
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    lines = ["path,class" if labels == "json" else "path,label"]
+    for s in range(2):
+        with tarfile.open(folder / f"train-{s:04d}.tar", "w") as t:
+            for k, p in enumerate(images[s::2]):
+                key = f"s{s}k{k:03d}"
+                label = p.parent.name if labels == "json" else str(len(p.parent.name) % 3)
+                extra = f'{{"label": "{label}", "w": 1}}' if labels == "json" else label
+                for name, data in ((f"{key}{p.suffix}", p.read_bytes()),
+                                   (f"{key}.{labels}", extra.encode())):  # fmt: skip
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+                lines.append(f"{p},{label}")
+    listed = tmp_path / "list.csv"
+    listed.write_text("\n".join(lines) + "\n")
+    return folder, listed
+
+
+@pytest.mark.parametrize("labels", ["cls", "json"])
+def test_webdataset_shards_equal_a_list_of_the_extracted_files(tmp_path, src, labels):
+    folder, listed = shards(tmp_path, src, labels)
+    key = "label" if labels == "json" else None
+    build_cache(listed, tmp_path / "ref", workers=0)
+    ref_classes, ref_paths, ref_labels, ref_pixels = cache_bytes(tmp_path / "ref")
+    pattern = str(folder / "train-{0000..0001}.tar")
+    for source in (folder, pattern):
+        cache = tmp_path / f"c{len(str(source))}"
+        build_cache(scan_source(source, label_key=key), cache, workers=0)
+        classes, paths, labels_, pixels = cache_bytes(cache)
+        # Paths are shard/member names; each image once, with the label its list line gives.
+        by_pixels = {px: lab for px, lab in zip(ref_pixels, ref_labels)}
+        assert classes == ref_classes
+        assert sorted(pixels) == sorted(ref_pixels)
+        assert [by_pixels[px] for px in pixels] == labels_
+        assert paths[0] == "train-0000.tar/s0k000.png" and paths[-1].startswith("train-0001")
+        m = fmt.read_manifest(cache)
+        assert m.source.get("label_key") == key
+        assert (m.source.get("pattern") is not None) == (source == pattern)
+        assert build_cache(scan_source(source, label_key=key), cache, workers=0).up_to_date
+    # The command line takes the pattern and the label key; the cache is then current.
+    args = ["--label-key", "label"] if key else []
+    assert main(["build", pattern, str(tmp_path / "cli"), "-q", "--workers", "0", *args]) == 0
+    assert cache_bytes(tmp_path / "cli") == cache_bytes(cache)
+    assert "up to date" in main_out(["build", pattern, str(tmp_path / "cli"), *args])
+    assert "the source changed" not in main_out(["info", str(tmp_path / "cli")])
+
+
+def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, src):
+    tar = tar_of(src, tmp_path / "train.tar")
+    cache = tmp_path / "cache"
+    build_cache(tar, cache, workers=0)
+    before = cache_bytes(cache)
+    with tarfile.open(tar, "a") as t:  # one new image, one image replaced (the last copy wins)
+        t.add(write_image(tmp_path / "new.jpg", 21, 21, seed=30), "cat/new.jpg")
+        t.add(write_image(tmp_path / "other.jpg", 22, 23, seed=31), "dog/img_002.jpg")
+    assert "the source changed" in main_out(["info", str(cache)])
+    report = build_cache(tar, cache, workers=0)
+    assert (report.decoded, report.reused) == (2, len(before[1]) - 1)
+    warnings = {w["path"]: w["reason"] for w in fmt.read_manifest(cache).warnings}
+    assert "the last copy is used" in warnings["dog/img_002.jpg"]
+    extracted = tmp_path / "extracted"
+    with tarfile.open(tar) as t:
+        t.extractall(extracted, filter="data")  # the last copy of a name, as a user would get
+    build_cache(extracted, tmp_path / "ref", workers=0)
+    assert sorted(zip(*cache_bytes(cache)[1:])) == sorted(zip(*cache_bytes(tmp_path / "ref")[1:]))
+
+
+def main_out(argv: list[str]) -> str:
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_an_archive_changed_after_the_scan_stores_nothing_of_it(tmp_path, src):
+    tar = tar_of(src, tmp_path / "train.tar")
+    listing = scan_source(tar)
+    os.utime(tar, ns=(1, 1))  # rewritten in place since it was listed
+    with pytest.raises(SourceError, match="none of its"):
+        build_cache(listing, tmp_path / "cache", workers=0)
+
+
+def hostile_tar(path: Path, image: bytes) -> Path:
+    def add(t: tarfile.TarFile, name: str, data: bytes = image, **kw) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        for k, v in kw.items():
+            setattr(info, k, v)
+        t.addfile(info, io.BytesIO(data) if info.isreg() else None)
+
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, errors="surrogateescape") as t:
+        add(t, "cls/ok.jpg")
+        add(t, "/etc/abs.jpg")
+        add(t, "cls/../../up.jpg")
+        add(t, "cls/link.jpg", b"", type=tarfile.SYMTYPE, linkname="/etc/passwd")
+        add(t, "cls/hard.jpg", b"", type=tarfile.LNKTYPE, linkname="cls/ok.jpg")
+        add(t, "cls/caf\udce9.jpg")  # a Latin-1 name: not UTF-8
+        add(t, "cls/twice.jpg", b"first copy, not an image")
+        add(t, "cls/twice.jpg")
+        add(t, "cls/bad.jpg", image[: len(image) // 3] + b"\0" * 50)  # damaged bytes
+        add(t, "./cls/./dot.jpg")
+    return path
+
+
+def test_hostile_member_names_are_left_out_with_reasons(tmp_path):
+    image = write_image(tmp_path / "i.jpg", 16, 12).read_bytes()
+    tar = hostile_tar(tmp_path / "hostile.tar", image)
+    report = build_cache(tar, tmp_path / "cache", workers=0)
+    classes, paths, _, pixels = cache_bytes(tmp_path / "cache")
+    assert classes == ["cls"]
+    assert paths == ["cls/caf\udce9.jpg", "cls/dot.jpg", "cls/ok.jpg", "cls/twice.jpg"]
+    assert len(set(pixels)) == 1  # every kept member is the one image
+    reasons = {w["path"]: w["reason"] for w in report.warnings}
+    assert "absolute" in reasons["/etc/abs.jpg"]
+    assert "'..'" in reasons["cls/../../up.jpg"]
+    assert "a link" in reasons["cls/link.jpg"] and "a link" in reasons["cls/hard.jpg"]
+    assert "last copy" in reasons["cls/twice.jpg"]
+    assert [s["path"] for s in report.skipped] == ["cls/bad.jpg"]
+
+
+def test_truncated_damaged_and_compressed_archives_are_named(tmp_path, src):
+    tar = tar_of(src, tmp_path / "train.tar")
+    raw = tar.read_bytes()
+    cut = tmp_path / "cut.tar"
+    for end in (len(raw) // 2, 1500, len(raw) - 10240 + 100):
+        cut.write_bytes(raw[:end])
+        with pytest.raises(SourceError, match="truncated|damaged"):
+            scan_source(cut)
+    damaged = bytearray(raw)
+    third = raw.index(b"ustar", 1100) - 257  # a member header past the first ones
+    damaged[third + 100 : third + 108] = b"garbage!"
+    cut.write_bytes(bytes(damaged))
+    with pytest.raises(SourceError, match="damaged or truncated archive.*checksum"):
+        scan_source(cut)
+    gz = tmp_path / "train.tar.gz"
+    gz.write_bytes(b"\x1f\x8b" + raw[2:])
+    with pytest.raises(SourceError, match="decompress it"):
+        scan_source(gz)
+    hidden_gz = tmp_path / "hidden.tar"
+    hidden_gz.write_bytes(b"\x1f\x8b" + raw[2:])
+    with pytest.raises(SourceError, match="gunzip -k"):
+        scan_source(hidden_gz)
+    zipped = tmp_path / "t.zip"
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.write(src / "cat" / "img_000.jpg", "cat/a.jpg", compress_type=zipfile.ZIP_STORED)
+        z.write(src / "cat" / "img_001.jpg", "cat/b.jpg", compress_type=zipfile.ZIP_DEFLATED)
+    raw = bytearray(zipped.read_bytes())
+    cut.with_suffix(".zip").write_bytes(bytes(raw[: len(raw) // 2]))
+    with pytest.raises(SourceError, match="damaged or truncated"):
+        scan_source(cut.with_suffix(".zip"))
+    raw[200] ^= 0xFF  # inside the first (stored) member's bytes
+    zipped.write_bytes(bytes(raw))
+    report = build_cache(zipped, tmp_path / "z", workers=0)
+    assert report.images == 1
+    assert "CRC-32" in report.skipped[0]["reason"]
+
+
+def test_lazy_caches_of_archives_fill_from_the_members(tmp_path, src):
+    from mmcache import MemmapImageDataset
+
+    tar = tar_of(src, tmp_path / "train.tar")
+    build_cache(src, tmp_path / "ref", workers=0)
+    create_lazy_cache(tar, tmp_path / "lazy")
+    ds = MemmapImageDataset(tmp_path / "lazy")
+    ref = MemmapImageDataset(tmp_path / "ref")
+    for i in range(len(ref)):
+        assert np.array_equal(ds.read(i), ref.read(i))
+
+
+def test_verify_and_repair_read_the_members_again(tmp_path, src):
+    from mmcache import repair_cache, verify_cache
+
+    tar = tar_of(src, tmp_path / "train.tar")
+    cache = tmp_path / "cache"
+    build_cache(tar, cache, workers=0)
+    report = verify_cache(cache, source="all")
+    assert report.source_compared == 5 and not report.bad
+    files = fmt.read_cache_files(fmt.read_manifest(cache))
+    data = files.manifest.file("data")
+    with open(data, "r+b") as f:  # damage record 1's pixels
+        f.seek(int(files.index["offset"][1]))
+        f.write(b"\xff" * 16)
+    assert [b.index for b in verify_cache(cache).bad] == [1]
+    repair_cache(cache, workers=0)
+    assert not verify_cache(cache, source="all").bad
+
+
+@pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch):
+    import mmcache._archives as archives
+
+    image = write_image(tmp_path / "i.png", 9, 7).read_bytes()
+    tar = tmp_path / "t.tar"
+    names = ["c/a.png", "c/" + "long" * 40 + ".png", "c/" + "d" * 120 + "/e.png", "c/é.png"]
+    if form == tarfile.USTAR_FORMAT:
+        names = names[:1] + names[2:3]  # (ustar holds neither a long base name nor UTF-8 here)
+    with tarfile.open(tar, "w", format=form) as t:
+        for k, name in enumerate(names):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(image), 1_700_000_000 + k
+            t.addfile(info, io.BytesIO(image))
+    fast = scan_source(tar)
+    monkeypatch.setattr(
+        archives, "_headers", lambda *a: (_ for _ in ()).throw(archives._OtherHeaders())
+    )
+    slow = scan_source(tar)
+    assert fast.paths == slow.paths == sorted(names, key=lambda n: (os.path.dirname(n), n))
+    assert fast.mtimes.tolist() == slow.mtimes.tolist()
+    assert [fast.abspath(i) for i in range(len(fast))] == [
+        slow.abspath(i) for i in range(len(slow))
+    ]
+
+
+def test_a_shard_sample_without_a_label_or_twice_is_said(tmp_path):
+    first, second = (
+        write_image(tmp_path / f"{k}.jpg", 12, 10, seed=k).read_bytes() for k in (1, 2)
+    )
+    shard = tmp_path / "one.tar"
+    with tarfile.open(shard, "w") as t:
+        for name, data in (("a.jpg", first), ("a.cls", b"1"), ("b.jpg", first),
+                           ("a.jpg", second), ("a.cls", b"0")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    listing = scan_source(shard)
+    assert (listing.kind, listing.paths, listing.labels.tolist()) == (
+        "webdataset",
+        ["one.tar/a.jpg"],
+        [0],
+    )
+    reasons = {w["path"]: w["reason"] for w in listing.warnings}
+    assert "no .cls member" in reasons["one.tar/b.jpg"]
+    assert "last copy" in reasons["one.tar/a.jpg"]
+    build_cache(listing, tmp_path / "c", workers=0)
+    assert cache_bytes(tmp_path / "c")[3][0] == cache_bytes_of(second, tmp_path)
+
+
+def cache_bytes_of(image: bytes, tmp_path: Path) -> bytes:
+    """The record a build stores for these image bytes (as a file)."""
+    folder = tmp_path / "single"
+    folder.mkdir()
+    (folder / "x.jpg").write_bytes(image)
+    build_cache(folder, tmp_path / "single-cache", workers=0)
+    return cache_bytes(tmp_path / "single-cache")[3][0]
+
+
+def test_plan_reads_the_members_headers(tmp_path, src):
+    from mmcache import plan_cache
+
+    tar = tar_of(src, tmp_path / "train.tar")
+    expected, planned = plan_cache(src, short_side=24), plan_cache(tar, short_side=24)
+    assert (planned.files, planned.data_bytes) == (expected.files, expected.data_bytes)
+    assert main_out(["plan", str(tar)]).count("\n") > 3

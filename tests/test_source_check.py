@@ -1,0 +1,97 @@
+"""The quick open-time source check (folder mtimes, an archive's size and mtime) against the
+full one (every file's size and mtime): what each sees, and that every build sees it all."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tarfile
+import time
+
+import pytest
+from conftest import make_folder, write_image
+
+from mmcache import MemmapImageDataset, StaleCacheWarning, build_cache, cache_info
+from mmcache import format as fmt
+from mmcache.cli import main
+
+LONG_AGO = time.time_ns() - 3600 * 10**9
+
+
+def aged(root):
+    """The source's folders last changed an hour ago (a build stamps only folders older than
+    its scan by a second: one changed since might have changed after the scan saw it)."""
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.utime(d, ns=(LONG_AGO, LONG_AGO))
+    return root
+
+
+@pytest.fixture
+def built(tmp_path):
+    src = aged(make_folder(tmp_path / "src", {"a": [(20, 16)] * 3, "b": [(16, 20)] * 3}))
+    build_cache(src, tmp_path / "cache", workers=0)
+    return src, tmp_path / "cache"
+
+
+def test_the_quick_check_sees_files_added_removed_or_renamed(built):
+    src, cache = built
+    assert cache_info(cache).stale is None
+    MemmapImageDataset(cache, on_stale="error")  # unchanged: no scan, no error
+    (src / "a" / "img_000.jpg").rename(src / "a" / "renamed.jpg")
+    with pytest.warns(StaleCacheWarning, match="1 added"):
+        MemmapImageDataset(cache)
+    assert "1 removed" in cache_info(cache).stale
+
+
+def test_a_file_rewritten_in_place_is_seen_by_the_full_check_and_every_build(built):
+    src, cache = built
+    path = src / "b" / "img_004.jpg"
+    write_image(path, 16, 20, seed=99)  # rewritten in place: its folder's mtime is unchanged
+    assert os.stat(src / "b").st_mtime_ns == LONG_AGO
+    MemmapImageDataset(cache, on_stale="error")  # the quick check cannot see it
+    assert cache_info(cache).stale is None
+    with pytest.raises(Exception, match=r"1 modified \(b/img_004.jpg\)"):
+        MemmapImageDataset(cache, on_stale="error", source_check="full")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["info", str(cache), "--source-check", "full"]) == 0
+    assert "modified" in out.getvalue()
+    report = build_cache(src, cache, workers=0)  # a build always lists every file
+    assert (report.up_to_date, report.decoded) == (False, 1)
+
+
+def test_a_folder_changed_during_the_build_is_always_checked_in_full(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2})  # its folders are new
+    build_cache(src, tmp_path / "cache", workers=0)
+    stamps = fmt.read_manifest(tmp_path / "cache").extra["source_stamps"]["folders"]
+    assert set(stamps.values()) == {-1}  # (changed within a second of the scan: unknown)
+    write_image(src / "a" / "img_000.jpg", 16, 16, seed=5)
+    with pytest.warns(StaleCacheWarning, match="1 modified"):
+        MemmapImageDataset(tmp_path / "cache")
+
+
+def test_an_archive_is_checked_by_its_size_and_mtime(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2})
+    tar = tmp_path / "t.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(src, ".")
+    os.utime(tar, ns=(LONG_AGO, LONG_AGO))
+    build_cache(tar, tmp_path / "cache", workers=0)
+    MemmapImageDataset(tmp_path / "cache", on_stale="error")
+    with tarfile.open(tar, "a") as t:
+        t.add(write_image(tmp_path / "n.jpg", 16, 16, seed=3), "a/new.jpg")
+    with pytest.warns(StaleCacheWarning, match="1 added"):
+        MemmapImageDataset(tmp_path / "cache")
+
+
+def test_an_unchanged_build_renews_the_stamps_a_refresh_could_not_take(tmp_path):
+    src = aged(make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2}))
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    write_image(src / "a" / "new.jpg", 16, 16, seed=4)  # a refresh just after: "a" unknown
+    build_cache(src, cache, workers=0)
+    assert fmt.read_manifest(cache).extra["source_stamps"]["folders"]["a"] == -1
+    aged(src)  # (time passes)
+    assert build_cache(src, cache, workers=0).up_to_date
+    assert fmt.read_manifest(cache).extra["source_stamps"]["folders"]["a"] == LONG_AGO
