@@ -320,7 +320,9 @@ def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
                     fs.names[dst] = fs.names.pop(src)
                 ops.append(Op("rename", path=src, dest=dst))
         elif name in ("unlink", "unlinkat", "rmdir"):
-            path = path_of(pid, "AT_FDCWD", a[0]) if name != "unlinkat" else path_of(pid, a[0], a[1])
+            path = (
+                path_of(pid, "AT_FDCWD", a[0]) if name != "unlinkat" else path_of(pid, a[0], a[1])
+            )
             if fs.watched(path):
                 if fs.names.pop(path, None) is not None:
                     ops.append(Op("unlink", path=path))
@@ -378,11 +380,14 @@ def _unsynced(ops: list[Op], cut: int) -> list[int]:
     for k in range(cut):
         if ops[k].kind == "fsync":
             synced_after[ops[k].ino] = k
-    return [k for k in range(cut) if ops[k].kind == "write" and synced_after.get(ops[k].ino, -1) < k]
+    return [
+        k for k in range(cut) if ops[k].kind == "write" and synced_after.get(ops[k].ino, -1) < k
+    ]
 
 
 def _undoable(ops: list[Op], cut: int) -> list[int]:
-    """The renames among ``ops[:cut]`` that no later fsync of their folder (before ``cut``) covers."""
+    """The renames among ``ops[:cut]`` that no later fsync of their folder (before ``cut``)
+    covers."""
     last: dict[str, int] = {}
     for k in range(cut):
         if ops[k].kind == "dirfsync":
@@ -641,7 +646,8 @@ CHECKER = textwrap.dedent(
                 c = state + "-" + mode
                 shutil.copytree(state, c)
                 target = os.path.join(c, refs["target"])
-                if not os.path.exists(os.path.join(target, "manifest.json")) and refs["old_gen"] is None:
+                none = not os.path.exists(os.path.join(target, "manifest.json"))
+                if none and refs["old_gen"] is None:
                     out[mode] = ("old", 0, "no cache")
                 else:
                     out[mode] = read_all(target, **kw)
@@ -745,7 +751,8 @@ def explore(op: str, models: list[str], limit: int, seed: int, images: int, time
     refs_file = work / "refs.pkl"
     refs_file.write_bytes(pickle.dumps(refs))
     counts = Counter(o.kind for o in ops)
-    log(f"{op}: {len(ops)} recorded changes ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})")
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    log(f"{op}: {len(ops)} recorded changes ({kinds})")
     checker = Checker(refs_file, work, timeout)
     results: dict[str, Tally] = {}
     try:
@@ -767,7 +774,7 @@ def explore(op: str, models: list[str], limit: int, seed: int, images: int, time
                 _count(tally, out, plan)
             tally.distinct = len(seen)
             log(f"  {model}: {tally.states} states ({tally.distinct} distinct"
-                f"{', sampled, seed %d' % seed if sampled else ', exhaustive'}): "
+                f"{f', sampled, seed {seed}' if sampled else ', exhaustive'}): "
                 f"{dict(tally.outcomes)}, wrong pixels {tally.wrong}, crashes {tally.crashes}, "
                 f"hangs {tally.hangs}, failed rebuilds {tally.rebuild_failures}")  # fmt: skip
             for e in tally.examples[:3]:
@@ -826,8 +833,8 @@ def main(argv: list[str] | None = None) -> int:
             res = explore(op, models, args.exhaustive, args.seed, args.images, args.timeout,
                           Path(tmp))  # fmt: skip
         failed += sum(t.wrong + t.crashes + t.hangs + t.rebuild_failures for t in res.values())
-    print(f"{time.perf_counter() - start:.0f} s; "
-          f"{'no wrong pixel, crash, hang or failed rebuild' if not failed else f'{failed} failures'}")
+    verdict = f"{failed} failures" if failed else "no wrong pixel, crash, hang or failed rebuild"
+    print(f"{time.perf_counter() - start:.0f} s; {verdict}")
     print(f"reproduce: PYTHONPATH=. python tools/crash_states.py --ops {args.ops} "
           f"--models {args.models} --exhaustive {args.exhaustive} --seed {args.seed} "
           f"--images {args.images}")  # fmt: skip
