@@ -151,7 +151,7 @@ def repair_cache(
     fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
     with writer_lock(folder):
         files = fmt.open_cache(folder)
-        remove_stale_generations(folder, files)
+        files = remove_stale_generations(folder, files) or files
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)
