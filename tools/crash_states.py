@@ -2,15 +2,16 @@
 state the disk may hold after a power cut, and check that each reads right.
 
 How (the approach of the ALICE study, OSDI 2014): a real mmcache operation (a build, a refresh,
-a compaction, a copy, a lazy fill by several processes) runs on a tiny cache under ``strace -f``,
-which records every system call that changes a file: opens that create or truncate, writes with
-their offsets and bytes, ``ftruncate``, ``fsync``/``fdatasync``, renames, unlinks, directory
-fsyncs, in-kernel copies. Why strace rather than a FUSE pass-through: it needs no mount, no
-package and no privilege, sees every process of the operation (``-f``: decode workers, fillers)
-in the order the kernel ran their calls, and the code under test runs on the real file system,
-unchanged (a FUSE file system would change the timing and the page cache the code sees). What
-strace cannot see are stores through a writable shared mapping: the tool fails if the operation
-makes one (mmcache writes with ``pwrite`` only).
+a compaction, a copy, a lazy fill by two processes, a build by two torchrun ranks) runs on a
+tiny cache under ``strace -f``, which records every system call that changes a file: opens
+that create or truncate, writes with their offsets and bytes, ``ftruncate``, ``fsync`` and
+``fdatasync``, renames, unlinks, directory fsyncs, in-kernel copies. Why strace rather than a
+FUSE pass-through: it needs no mount, no package and no privilege, sees every process of the
+operation (``-f``: decode workers, fillers, ranks) in the order the kernel ran their calls, and
+the code under test runs on the real file system, unchanged (a FUSE file system would change
+the timing and the page cache the code sees). What strace cannot see are stores through a
+writable shared mapping: the tool fails if the operation makes one (mmcache writes with
+``pwrite`` only).
 
 The recorded calls are replayed onto the cache as it was before the operation, cut at every
 point, under two models of what a power cut keeps:
@@ -68,8 +69,8 @@ SYSCALLS = (
     "unlink,unlinkat,mkdir,mkdirat,rmdir,copy_file_range,sendfile,clone,clone3,fork,vfork,"
     "execve,mmap,chdir"
 )
-OPS = ("build", "refresh-append", "refresh-compact", "compact", "copy", "lazy")
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+OPS = ("build", "refresh-append", "refresh-compact", "compact", "copy", "lazy", "dist")
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 # --- recording ------------------------------------------------------------------------------
@@ -192,6 +193,16 @@ def _joined(lines: list[str]) -> list[tuple[int, str]]:
             rest = pending.pop(pid, "") + r.group(1)
         out.append((pid, rest))
     return out
+
+
+def _read(fs: FS, o: _Open, offset: int, n: int) -> bytes:
+    """What a copy read from ``o``: a watched file as the operation left it so far, or a file
+    outside the watched roots (which the operation does not change) as it is now."""
+    if o.ino is not None:
+        return bytes(fs.files[o.ino][offset : offset + n])
+    with open(o.path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
 
 
 def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
@@ -338,17 +349,17 @@ def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
             src, dst = table.get(int(a[0])), table.get(int(a[2]))
             if dst is None or dst[0].ino is None:
                 continue
-            assert src is not None and src[0].ino is not None, call[:200]
+            assert src is not None, call[:200]
             soff = _num(a[1]) if a[1] != "NULL" else src[0].pos
             doff = _num(a[3]) if a[3] != "NULL" else dst[0].pos
-            write(dst[0], doff, bytes(fs.files[src[0].ino][soff : soff + ret]))
+            write(dst[0], doff, _read(fs, src[0], soff, ret))
         elif name == "sendfile":
             dst, src = table.get(int(a[0])), table.get(int(a[1]))
             if dst is None or dst[0].ino is None:
                 continue
-            assert src is not None and src[0].ino is not None, call[:200]
+            assert src is not None, call[:200]
             soff = _num(a[2]) if a[2] != "NULL" else src[0].pos
-            write(dst[0], dst[0].pos, bytes(fs.files[src[0].ino][soff : soff + ret]))
+            write(dst[0], dst[0].pos, _read(fs, src[0], soff, ret))
             dst[0].pos += ret
         elif name == "mmap":
             got = table.get(_num(a[4])) if a[4].lstrip("-").isdigit() else None
@@ -542,12 +553,14 @@ def _mmcache(*args: str | Path, cwd: Path) -> None:
 
 LAZY_FILL = textwrap.dedent(
     """
-    import subprocess, sys
+    import os, subprocess, sys, time
     from mmcache import MemmapImageDataset
-    if len(sys.argv) == 3:  # one filler: every record, in its order
-        ds = MemmapImageDataset(sys.argv[1], on_stale="ignore")
-        order = range(len(ds)) if sys.argv[2] == "0" else reversed(range(len(ds)))
-        for i in order:
+    if len(sys.argv) == 3:  # filler k: its share of the records first, then all of them
+        ds, k = MemmapImageDataset(sys.argv[1], on_stale="ignore"), int(sys.argv[2])
+        open(f"{__file__}.ready{k}", "w").close()  # both start filling together
+        while not all(os.path.exists(f"{__file__}.ready{j}") for j in range(2)):
+            time.sleep(0.01)
+        for i in [i for i in range(len(ds)) if i % 2 == k] + list(range(len(ds))):
             ds[i]
         sys.exit(0)
     procs = [subprocess.Popen([sys.executable, __file__, sys.argv[1], str(k)]) for k in range(2)]
@@ -594,6 +607,9 @@ def prepare(op: str, work: Path, images: int) -> dict:
         script = work / "fill.py"
         script.write_text(LAZY_FILL)
         cmd = [script, cache]
+    elif op == "dist":  # a first build by 2 ranks of torch.distributed (gloo), as torchrun runs it
+        cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "mmcache", "build", src, cache, "--workers", "0", "-q"]  # fmt: skip
     else:
         raise SystemExit(f"unknown operation {op!r}; one of {', '.join(OPS)}")
     os.sync()  # what was there before the operation is on disk
@@ -768,9 +784,10 @@ def explore(op: str, models: list[str], limit: int, seed: int, images: int, time
                 if key in seen:
                     continue
                 state = work / "states" / f"{model}-{len(seen)}"
+                state.mkdir(parents=True)
                 write_tree(tree, initial.roots, work, state)
                 seen[key] = out = checker.check(state)
-                shutil.rmtree(state.parent)
+                shutil.rmtree(state.parent, ignore_errors=True)
                 _count(tally, out, plan)
             tally.distinct = len(seen)
             log(f"  {model}: {tally.states} states ({tally.distinct} distinct"
