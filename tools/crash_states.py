@@ -732,6 +732,9 @@ class Checker:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
             self.proc = None
 
 
