@@ -62,7 +62,8 @@ class RecordFiller:
             ) from None
         # Flushed and the marker deleted when the filler is freed or the process exits (also a
         # multiprocessing child, such as a DataLoader worker, which skips atexit).
-        self._release = weakref.finalize(self, release, self.fds, self.marker)
+        self.pid = os.getpid()
+        self._release = weakref.finalize(self, release, self.fds, self.marker, self.pid)
         multiprocessing.util.Finalize(self, self._release, exitpriority=0)
 
     def fill(self, i: int) -> tuple[int, np.ndarray | None]:
@@ -135,9 +136,12 @@ def fill_marker(folder: Path) -> Path:
     return path
 
 
-def release(fds: list[int], marker: Path) -> None:
-    """Flush the data and state files (``fds``), then delete ``marker``, then close them."""
+def release(fds: list[int], marker: Path, pid: int) -> None:
+    """Flush the data and state files (``fds``), then delete ``marker``, then close them. In a
+    process forked from the filler's (``pid``), only close them: the marker is the parent's."""
     try:
+        if os.getpid() != pid:
+            return
         for fd in fds:
             os.fdatasync(fd)
         with suppress(FileNotFoundError):

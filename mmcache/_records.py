@@ -192,7 +192,8 @@ class RecordReader:
         if code == fmt.FILLED and self.unsure and self.lost(i):
             code = fmt.EMPTY  # a fill that a power cut lost: filled again
         if code == fmt.EMPTY:
-            if self.filler is None:
+            if self.filler is None or self.filler.pid != os.getpid():
+                # (a forked DataLoader worker fills under a filling- file of its own)
                 self.filler = RecordFiller(self.files)
             code, pixels = self.filler.fill(i)
             if pixels is not None and self.verified is not None:
