@@ -103,6 +103,9 @@ def test_fills_that_a_power_cut_lost_are_filled_again_after_the_reboot(tmp_path,
     assert not any(fmt.is_fill_marker_name(n) for n in os.listdir(cache))
 
     monkeypatch.setattr(mmcache._filler, "boot_id", lambda: "another-boot")
+    # BatchLoader copies the records the reader calls filled straight out of the mapping:
+    # none is, until this reader checked it.
+    assert not MemmapImageDataset(disk).reader.filled(np.arange(4)).any()
     for verify in (None, "first-read"):
         reopened = MemmapImageDataset(disk, verify=verify)
         for i, (path, _) in enumerate(reopened.samples):
