@@ -747,6 +747,7 @@ class Tally:
     crashes: int = 0
     hangs: int = 0
     rebuild_failures: int = 0
+    verify: Counter = field(default_factory=Counter)  # mmcache verify's exit statuses
     examples: list[str] = field(default_factory=list)
 
 
@@ -796,7 +797,8 @@ def explore(op: str, models: list[str], limit: int, seed: int, images: int, time
             log(f"  {model}: {tally.states} states ({tally.distinct} distinct"
                 f"{f', sampled, seed {seed}' if sampled else ', exhaustive'}): "
                 f"{dict(tally.outcomes)}, wrong pixels {tally.wrong}, crashes {tally.crashes}, "
-                f"hangs {tally.hangs}, failed rebuilds {tally.rebuild_failures}")  # fmt: skip
+                f"hangs {tally.hangs}, failed rebuilds {tally.rebuild_failures}; "
+                f"mmcache verify exit statuses {dict(tally.verify)}")  # fmt: skip
             for e in tally.examples[:3]:
                 log(f"    e.g. {e}")
     finally:
@@ -821,6 +823,7 @@ def _count(tally: Tally, out: dict, plan: Plan) -> None:
         if wrong:
             tally.wrong += wrong
             tally.examples.append(f"{mode}: {wrong} wrong record(s) at cut {plan.cut} ({which})")
+    tally.verify["no folder" if out["verify"] is None else out["verify"]] += 1
     rc, bad, why = out["rebuild"]
     if rc != 0 or bad:
         tally.rebuild_failures += 1
