@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _writer as writer
 from . import format as fmt
+from ._filler import lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
@@ -191,6 +192,10 @@ def check_checksums(
     records, offsets, sizes = records[order], offsets[order], sizes[order]
     crcs = files.state["crc32"]
     path = files.manifest.file("data")
+    # Fills a power cut may have lost (lazy mode): said so, as readers fill them again.
+    lost = ""
+    if files.manifest.mode == "lazy" and lost_fill_markers(files.manifest.path):
+        lost = ": a fill lost in a power cut, filled again when read"
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -218,7 +223,7 @@ def check_checksums(
                             int(r),
                             files.path(int(r)),
                             f"pixels fail their checksum (CRC-32 {actual:08x}, "
-                            f"stored {int(crcs[r]):08x})",
+                            f"stored {int(crcs[r]):08x}){lost}",
                         )
                     )
             report.checked += j - k

@@ -17,7 +17,7 @@ import pytest
 from conftest import reference, write_image
 
 import mmcache._filler
-from mmcache import MemmapImageDataset, build_cache, create_lazy_cache
+from mmcache import MemmapImageDataset, build_cache, create_lazy_cache, verify_cache
 from mmcache import format as fmt
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "crash_states.py"
@@ -106,6 +106,8 @@ def test_fills_that_a_power_cut_lost_are_filled_again_after_the_reboot(tmp_path,
     # BatchLoader copies the records the reader calls filled straight out of the mapping:
     # none is, until this reader checked it.
     assert not MemmapImageDataset(disk).reader.filled(np.arange(4)).any()
+    report = verify_cache(disk)  # names the lost fill, and says what becomes of it
+    assert [b.index for b in report.bad] == [1] and "power cut" in report.bad[0].what
     for verify in (None, "first-read"):
         reopened = MemmapImageDataset(disk, verify=verify)
         for i, (path, _) in enumerate(reopened.samples):

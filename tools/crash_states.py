@@ -557,10 +557,15 @@ LAZY_FILL = textwrap.dedent(
     from mmcache import MemmapImageDataset
     if len(sys.argv) == 3:  # filler k: its share of the records first, then all of them
         ds, k = MemmapImageDataset(sys.argv[1], on_stale="ignore"), int(sys.argv[2])
-        open(f"{__file__}.ready{k}", "w").close()  # both start filling together
-        while not all(os.path.exists(f"{__file__}.ready{j}") for j in range(2)):
-            time.sleep(0.01)
-        for i in [i for i in range(len(ds)) if i % 2 == k] + list(range(len(ds))):
+        def together(step):  # both processes fill at once, each its share first
+            open(f"{__file__}.{step}{k}", "w").close()
+            while not all(os.path.exists(f"{__file__}.{step}{j}") for j in range(2)):
+                time.sleep(0.01)
+        together("ready")
+        for i in range(k, len(ds), 2):
+            ds[i]
+        together("shared")
+        for i in range(len(ds)):
             ds[i]
         sys.exit(0)
     procs = [subprocess.Popen([sys.executable, __file__, sys.argv[1], str(k)]) for k in range(2)]
