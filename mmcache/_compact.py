@@ -36,7 +36,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
     fmt.read_manifest(folder)  # no cache there: its error, before anything else
     with writer_lock(folder):
         files = fmt.read_cache_files(fmt.read_manifest(folder))
-        remove_stale_generations(folder, files)
+        files = remove_stale_generations(folder, files) or files
         m = files.manifest
         nbytes = fmt.record_nbytes(files.index, m.pixels, m.mask)
         offsets, data_bytes = layout_offsets(nbytes)

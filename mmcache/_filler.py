@@ -5,18 +5,34 @@ A record is filled by decoding its file, writing the pixels with ``pwrite``, the
 that reads ``FILLED`` is complete, and a process killed between the two writes leaves it
 ``EMPTY``, to be decoded again by the next reader. Processes filling the same record at once
 write the same bytes, so no lock is taken.
+
+Power cuts: fills are not flushed one by one (an fsync per image would cost milliseconds), so
+after a power cut a record's state may be on disk while its pixels are not. Each filling process
+therefore leaves a ``filling-<token>`` file holding the machine's boot id, flushed before its first
+fill and deleted once it has flushed the data and state files (``close``). A ``filling-`` file of
+another boot (``lost_fill_markers``) means fills that may not have reached the disk: readers then
+check each ``FILLED`` record's CRC-32 before trusting it and fill again one that fails, and a
+writer (``scrub_lost_fills``, under the lock) checks them all, marks the failures ``EMPTY`` and
+deletes those files. See the format's specification.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing.util
 import os
+import secrets
+import weakref
+import zlib
+from contextlib import suppress
+from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
 from . import pixels as px
 from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
-from ._files import write_pixels, write_state
+from ._files import fsync_dir, write_pixels, write_state
 from .annotations import MASK_PATH, MASK_STAT
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
@@ -39,15 +55,22 @@ class RecordFiller:
         except (TypeError, ValueError) as e:
             raise CacheFormatError(f"{m.path}: bad options in the manifest ({e})") from None
         self.fds: list[int] = []
+        kind = "data"
         try:
             for kind in ("data", "state"):
                 self.fds.append(os.open(m.file(kind), os.O_WRONLY))
+            self.marker = fill_marker(m.path)
         except OSError as e:
             self.close()
             raise DestinationError(
                 f"{m.file(kind)}: cannot fill the lazy cache ({e.strerror}); records are stored "
                 "where the cache lies, so its user must be able to write there"
             ) from None
+        # Flushed and the marker deleted when the filler is freed or the process exits (also a
+        # multiprocessing child, such as a DataLoader worker, which skips atexit).
+        self.pid = os.getpid()
+        self._release = weakref.finalize(self, release, self.fds, self.marker, self.pid)
+        multiprocessing.util.Finalize(self, self._release, exitpriority=0)
 
     def fill(self, i: int) -> tuple[int, np.ndarray | None]:
         """Decode record ``i`` and store it: ``(its new state, its pixels if FILLED)``.
@@ -105,8 +128,114 @@ class RecordFiller:
         return os.path.join(root, rel), size, mtime
 
     def close(self) -> None:
-        while self.fds:
-            os.close(self.fds.pop())
+        """Flush what this process filled to disk, delete its ``filling-`` file, close."""
+        if hasattr(self, "_release"):
+            self._release()
+        else:  # failed in __init__
+            while self.fds:
+                os.close(self.fds.pop())
 
-    def __del__(self) -> None:
-        self.close()
+
+def boot_id() -> str:
+    """This boot's id (Linux), or "" where there is none: then every ``filling-`` file counts as
+    another boot's."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def fill_marker(folder: Path) -> Path:
+    """Create this process's ``filling-<token>`` file in ``folder``, holding the boot id, and
+    flush it and the folder: it is on disk before any fill it covers."""
+    path = folder / f"{fmt.FILL_MARKER_PREFIX}{secrets.token_hex(8)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        os.write(fd, boot_id().encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(folder)
+    return path
+
+
+def release(fds: list[int], marker: Path, pid: int) -> None:
+    """Flush the data and state files (``fds``), then delete ``marker``, then close them. In a
+    process forked from the filler's (``pid``), only close them: the marker is the parent's."""
+    try:
+        if os.getpid() != pid:
+            return
+        for fd in fds:
+            os.fdatasync(fd)
+        with suppress(FileNotFoundError):
+            os.unlink(marker)  # (no folder flush: a marker that comes back only costs a check)
+    except OSError:
+        pass  # not flushed: the marker stays, and after a power cut readers check the fills
+    finally:
+        while fds:
+            os.close(fds.pop())
+
+
+def lost_fill_markers(folder: Path) -> list[Path]:
+    """The ``filling-`` files in ``folder`` left by another boot (or unreadable): their fills
+    may not have reached the disk."""
+    try:
+        names = [n for n in os.listdir(folder) if fmt.is_fill_marker_name(n)]
+    except OSError:
+        return []
+    if not names:
+        return []
+    this_boot = boot_id()
+    lost = []
+    for n in names:
+        try:
+            with open(folder / n, "rb") as f:
+                same = this_boot != "" and f.read(64).decode("ascii", "replace") == this_boot
+        except FileNotFoundError:
+            continue  # its filler just finished
+        except OSError:
+            same = False
+        if not same:
+            lost.append(folder / n)
+    return lost
+
+
+def stored_crc(data_fd: int, files: fmt.CacheFiles, i: int) -> int | None:
+    """CRC-32 of record ``i``'s bytes in the data file, or None if the file ends before them."""
+    off = int(files.index[i]["offset"])
+    n = int(fmt.record_nbytes(files.index[i : i + 1], files.manifest.pixels)[0])
+    got = os.pread(data_fd, n, off)
+    return zlib.crc32(got) if len(got) == n else None
+
+
+def scrub_lost_fills(files: fmt.CacheFiles) -> fmt.CacheFiles:
+    """After a power cut (``filling-`` files of another boot): check every FILLED record's
+    pixels, write EMPTY over the state of those that fail (a lazy cache: they fill again) and
+    flush it, then delete those files. Only a writer holding the lock calls it. Returns the
+    files with the states as they are now."""
+    m = files.manifest
+    lost = lost_fill_markers(m.path)
+    if not lost:
+        return files
+    state = files.state.copy()
+    with open(m.file("data"), "rb") as data:
+        failed = [
+            int(i)
+            for i in np.flatnonzero(state["state"] == fmt.FILLED)
+            if stored_crc(data.fileno(), files, int(i)) != int(state["crc32"][i])
+        ]
+    if failed and m.mode == "lazy":
+        fd = os.open(m.file("state"), os.O_WRONLY)
+        try:
+            for i in failed:
+                write_state(fd, i, 0, fmt.EMPTY)
+                state[i] = (0, fmt.EMPTY)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    if not failed or m.mode == "lazy":  # else: left for verify to name and repair
+        for path in lost:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+    return dataclasses.replace(files, state=state)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._files import cut_data_file, fsync_dir
+from ._filler import scrub_lost_fills
 from .errors import CacheError, DestinationError, NotACacheError
 from .format import (
     BAD_REASONS,
@@ -41,6 +42,7 @@ from .format import (
     dtype_descr,
     file_name,
     is_cache_file_name,
+    is_fill_marker_name,
     manifest_checksum,
     read_cache_files,
     read_manifest,
@@ -249,20 +251,24 @@ def retire(previous: Manifest, current: Manifest) -> None:
                 os.unlink(previous.file(kind))
 
 
-def remove_stale_generations(folder: Path, current: CacheFiles | None) -> None:
+def remove_stale_generations(folder: Path, current: CacheFiles | None) -> CacheFiles | None:
     """Delete what killed writers left: the files of every generation but ``current``'s,
     temporary manifests, and bytes appended to ``current``'s data file past its
-    ``sizes["data"]``. Only a writer holding the lock may call it (no other generation is
-    being written then, and no generation of a longer data file is published)."""
+    ``sizes["data"]``; and undo what a power cut left (``scrub_lost_fills``). Only a writer
+    holding the lock may call it (no other generation is being written then, and no generation
+    of a longer data file is published). Returns ``current`` with its record states as they
+    are now."""
     keep = {MANIFEST_NAME, LOCK_NAME}
     if current is not None:
         keep |= {current.manifest.file(kind).name for kind in current.manifest.file_kinds}
     for name in os.listdir(folder):  # generation files, and manifests half written
-        if is_cache_file_name(name) and name not in keep:
+        if is_cache_file_name(name) and name not in keep and not is_fill_marker_name(name):
             with suppress(FileNotFoundError):
                 os.unlink(folder / name)
-    if current is not None:
-        cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
+    if current is None:
+        return None
+    cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
+    return scrub_lost_fills(current)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ import numpy as np
 from . import format as fmt
 from . import pixels as px
 from ._archives import ARCHIVE_KINDS
-from ._filler import RecordFiller
+from ._filler import RecordFiller, lost_fill_markers
 from .decode import undecodable_reason
 from .errors import CacheFormatError, DecodeError
 from .residency import memory
@@ -106,8 +106,13 @@ class RecordReader:
         self.codes = self.states["state"]
         self.filler: RecordFiller | None = None
         self.fit_checked, self.exact = -FIT_CHECK_SECONDS, False  # see reads_exactly
+        # Fills a power cut may have lost (another boot's ``filling-`` files): each FILLED
+        # record's CRC-32 is checked before it is trusted, and one that fails is filled again.
+        self.unsure = files.manifest.mode == "lazy" and bool(
+            lost_fill_markers(files.manifest.path)
+        )
         # Which records this reader has checked (a bit each, ~160 KB for 1.28M records).
-        self.verified = np.zeros(len(index), bool) if verify else None
+        self.verified = np.zeros(len(index), bool) if verify or self.unsure else None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -176,15 +181,21 @@ class RecordReader:
         """Whether each of the records ``indices`` holds its pixels now (a lazy cache's others
         are read with ``read``, which fills them); a bool array."""
         self.mapping()
-        return self.codes[indices] == fmt.FILLED
+        filled = self.codes[indices] == fmt.FILLED
+        if self.unsure and self.verified is not None:  # the others are checked by ``read``
+            filled &= self.verified[indices]
+        return filled
 
     def stored_or_none(self, i: int) -> np.ndarray | None:
         """Record ``i`` as stored (H x W x C, or an I420 record), filling it first if it is
         empty, checked first with ``verify``; None if it is bad."""
         self.mapping()
         code = self.codes[i]
+        if code == fmt.FILLED and self.unsure and self.lost(i):
+            code = fmt.EMPTY  # a fill that a power cut lost: filled again
         if code == fmt.EMPTY:
-            if self.filler is None:
+            if self.filler is None or self.filler.pid != os.getpid():
+                # (a forked DataLoader worker fills under a filling- file of its own)
                 self.filler = RecordFiller(self.files)
             code, pixels = self.filler.fill(i)
             if pixels is not None and self.verified is not None:
@@ -196,6 +207,16 @@ class RecordReader:
         if self.verified is not None and not self.verified[i]:
             self.verify(i, stored)
         return stored
+
+    def lost(self, i: int) -> bool:
+        """Whether FILLED record ``i`` fails its CRC-32 (checked once per reader): its fill
+        did not reach the disk before a power cut."""
+        if self.verified is None or self.verified[i]:
+            return False
+        if zlib.crc32(self.view(i).data) != int(self.states["crc32"][i]):
+            return True
+        self.verified[i] = True
+        return False
 
     def stored(self, i: int) -> np.ndarray:
         """Record ``i`` as stored, as ``stored_or_none``.

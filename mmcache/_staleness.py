@@ -122,6 +122,8 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
     it, for file systems of coarse times) may have changed after the scan saw it: it is stamped
     -1, which no check matches, so the open-time check scans the source in full.
     """
+    if listing.annotations is not None:
+        return None  # masks and a COCO file lie outside the source: the full check sees them
     if listing.members is not None:
         archives = listing.members.archives
         return {"archives": {a: list(st) for a, st in zip(archives, listing.members.stats)}}

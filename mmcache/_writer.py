@@ -164,7 +164,7 @@ def session(request: BuildRequest) -> Iterator[Session]:
                 refuse_other_options(previous.manifest, opts)
             # Before the up-to-date check: a build that finds the cache current also clears
             # what killed builds left behind.
-            remove_stale_generations(folder, previous)
+            previous = remove_stale_generations(folder, previous)
             current = fingerprints(listing, opts)
             wanted = current
             if previous is not None:

@@ -89,7 +89,7 @@ def copy_cache(
         try:
             with writer_lock(folder):
                 previous = open_existing(folder)
-                remove_stale_generations(folder, previous)
+                previous = remove_stale_generations(folder, previous)
                 copied, verified, manifest = _copy_generation(fds, files, folder, progress)
                 write_manifest(manifest)
                 if previous is not None:

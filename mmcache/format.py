@@ -14,15 +14,17 @@ A cache is one folder; move or copy it as a unit. Its files:
 
     - ``"magic"``: MUST be ``"mmcache"``.
     - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
-      SHOULD read a newer minor of a known major (minors only add keys). This is 2.0. Versions 1.0
+      SHOULD read a newer minor of a known major (minors only add keys). This is 4.0. Versions 1.0
       and 1.1 are still read (1.0 lacked ``"checksums"``); 2.0 differs from them only in that a
       generation may share the data file of an earlier one (below), which a 1.x reader would
       misread, hence the new major. 3.0 differs from 2.0 only in that records may be stored in
       another pixel layout than RGB (``options["pixels"]``, below), which a 2.x reader would
-      misread: writers write 3.0 for a cache whose layout is not ``"rgb"`` and 2.0 for an RGB
-      cache, which 2.x readers read as ever. 4.0 differs from 3.0 only in that records may carry
-      annotations (a mask in the data file, ``"fields"`` in a side file, below), which a 3.x
-      reader would leave out: writers write 4.0 only for a cache that has them.
+      misread: writers write 3.x for a cache whose layout is not ``"rgb"`` and 2.x for an RGB
+      cache, which 2.x readers read as ever. 3.1 and 2.1 add only the ``filling-<token>``
+      files (below), which an older writer would take for a stranger's. 4.0 differs from 3.1
+      only in that records may carry annotations (a mask in the data file, ``"fields"`` in a
+      side file, below), which a 3.x reader would leave out: writers write 4.0 only for a cache
+      that has them.
     - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
       maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
       to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
@@ -121,6 +123,18 @@ A cache is one folder; move or copy it as a unit. Its files:
 ``lock``
     An empty file that writers ``flock``; readers ignore it.
 
+``filling-<token>`` (2.1, 3.1; lazy mode)
+    One per process that fills records, ``<token>`` 16 lowercase hex digits: it holds the boot
+    id of the machine (Linux's ``/proc/sys/kernel/random/boot_id``, ASCII) and is created and
+    flushed to disk, with its folder, before the process's first fill, and deleted after the
+    process flushed the data and state files (when it closes its filler). Fills are not
+    flushed one by one, so after a power cut a record may read ``FILLED`` while its pixels never
+    reached the disk. A reader that finds a ``filling-`` file of another boot (or one it cannot
+    read) MUST NOT trust a ``FILLED`` record before checking its pixels against ``crc32``, and
+    SHOULD fill a record that fails again, as if ``EMPTY``. A writer holding the lock that finds
+    one checks every ``FILLED`` record, writes ``EMPTY`` over the state of those that fail (a
+    ``"lazy"`` cache) and flushes it, then deletes the ``filling-`` files of other boots.
+
 Writers hold the lock, write the files of a fresh generation (index, state and paths, and
 either a new data file or the records appended to the current one), flush them to disk, then
 replace ``manifest.json`` atomically (``os.replace``), then delete the previous generation's
@@ -167,21 +181,20 @@ from .errors import CacheFormatError, CacheNotFoundError
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
     "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FIELDS_KIND",
-    "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FORMAT_VERSION", "INDEX_DTYPE", "LOCK_NAME", "MAGIC",
-    "MANIFEST_NAME",
-    "MAX_CHANNELS", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE",
-    "Manifest", "READS_MAJORS", "STATE_DTYPE", "check_relative_path", "dtype_descr",
-    "file_name", "is_cache_file_name", "is_generation_file_name", "manifest_checksum",
-    "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
-    "validate_records",
+    "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FILL_MARKER_PREFIX", "FORMAT_VERSION",
+    "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
+    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest", "READS_MAJORS",
+    "STATE_DTYPE", "check_relative_path", "dtype_descr", "file_name", "is_cache_file_name",
+    "is_fill_marker_name", "is_generation_file_name", "manifest_checksum", "open_cache",
+    "read_cache_files", "read_manifest", "record_nbytes", "record_shapes", "validate_records",
 ]  # fmt: skip
 
 MAGIC = "mmcache"
 FORMAT_VERSION = (4, 0)
-# What RGB caches are written as: 3.0 adds only the other layouts, and 2.x readers read 2.0.
-RGB_FORMAT_VERSION = (2, 0)
+# What RGB caches are written as: 3.x adds only the other layouts, and 2.x readers read 2.1.
+RGB_FORMAT_VERSION = (2, 1)
 # What caches without annotations in another layout than RGB are written as.
-LAYOUTS_FORMAT_VERSION = (3, 0)
+LAYOUTS_FORMAT_VERSION = (3, 1)
 # Majors this reader reads: 1.x is 2.0 without shared data files, 2.x is 3.0 in RGB only, 3.x
 # is 4.0 without annotations.
 READS_MAJORS = (1, 2, 3, 4)
@@ -202,6 +215,8 @@ FIELD_DTYPES = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f4", "
 MAX_FIELD_NAME = 64
 MAX_FIELD_DIMS = 4
 MAX_ROW_VALUES = 1 << 20
+# The files of processes filling a lazy cache (see the spec).
+FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
 # what a hostile manifest can make us allocate.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -296,7 +311,14 @@ def is_cache_file_name(name: str) -> bool:
         name in (MANIFEST_NAME, LOCK_NAME)
         or name.startswith(MANIFEST_NAME + ".tmp")
         or is_generation_file_name(name)
+        or is_fill_marker_name(name)
     )
+
+
+def is_fill_marker_name(name: str) -> bool:
+    """Whether a folder entry is a filling process's ``filling-<token>`` file (see the spec)."""
+    token = name.removeprefix(FILL_MARKER_PREFIX)
+    return token != name and len(token) == 16 and is_hex(token)
 
 
 def is_generation_file_name(name: str) -> bool:

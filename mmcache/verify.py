@@ -20,6 +20,7 @@ import numpy as np
 from . import _writer as writer
 from . import format as fmt
 from ._archives import ARCHIVE_KINDS, RecordedMembers, member_file
+from ._filler import lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
@@ -153,7 +154,7 @@ def repair_cache(
     fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
     with writer_lock(folder):
         files = fmt.open_cache(folder)
-        remove_stale_generations(folder, files)
+        files = remove_stale_generations(folder, files) or files
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)
@@ -193,6 +194,10 @@ def check_checksums(
     records, offsets, sizes = records[order], offsets[order], sizes[order]
     crcs = files.state["crc32"]
     path = files.manifest.file("data")
+    # Fills a power cut may have lost (lazy mode): said so, as readers fill them again.
+    lost = ""
+    if files.manifest.mode == "lazy" and lost_fill_markers(files.manifest.path):
+        lost = ": a fill lost in a power cut, filled again when read"
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -220,7 +225,7 @@ def check_checksums(
                             int(r),
                             files.path(int(r)),
                             f"pixels fail their checksum (CRC-32 {actual:08x}, "
-                            f"stored {int(crcs[r]):08x})",
+                            f"stored {int(crcs[r]):08x}){lost}",
                         )
                     )
             report.checked += j - k

@@ -2,7 +2,8 @@
 
 The tools parse mmcache's output and call its functions; a change to either breaks them
 silently unless they run. Larger tools have tests of their own (test_bench.py,
-test_tools_train.py, test_tools_ffcv.py, test_distributed.py for train_ddp.py).
+test_crash_states.py, test_tools_train.py, test_tools_ffcv.py, test_distributed.py for
+train_ddp.py).
 """
 
 from __future__ import annotations

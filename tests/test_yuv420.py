@@ -107,15 +107,15 @@ def test_the_i420_cache_is_at_most_0_52_of_the_rgb_cache(src, yuv, tmp_path):
 def test_the_layout_is_an_option_in_the_fingerprint_and_a_rebuild_needs_replace(src, yuv):
     m = fmt.read_manifest(yuv)
     assert m.pixels == "yuv420" and m.options["pixels"] == "yuv420"
-    assert m.format_version == (3, 0)
+    assert m.format_version == (3, 1)
     rgb_opts = mmcache.Options()
-    assert "pixels" not in rgb_opts.to_json()  # RGB caches keep their fingerprint and 2.0
+    assert "pixels" not in rgb_opts.to_json()  # RGB caches keep their fingerprint and 2.x
     assert mmcache.Options(pixels="yuv420").fingerprint() != rgb_opts.fingerprint()
     with pytest.raises(OptionsChangedError, match="--replace|replace"):
         build_cache(src, yuv, workers=0)
     build_cache(src, yuv, workers=0, replace=True)
     assert fmt.read_manifest(yuv).pixels == "rgb"
-    assert fmt.read_manifest(yuv).format_version == fmt.RGB_FORMAT_VERSION == (2, 0)
+    assert fmt.read_manifest(yuv).format_version == fmt.RGB_FORMAT_VERSION == (2, 1)
 
 
 def test_gray_with_yuv420_is_refused_with_one_clear_line(src, tmp_path, capsys):
@@ -154,7 +154,7 @@ def test_a_2_x_reader_refuses_an_i420_cache_and_still_reads_rgb_ones(
 ):
     build_cache(src, tmp_path / "rgb", workers=0)
     monkeypatch.setattr(fmt, "READS_MAJORS", (1, 2))  # what mmcache read before layouts
-    with pytest.raises(CacheFormatError, match="format version 3.0 is not supported"):
+    with pytest.raises(CacheFormatError, match="format version 3.1 is not supported"):
         MemmapImageDataset(yuv)
     assert len(MemmapImageDataset(tmp_path / "rgb")) == 8
 
@@ -171,7 +171,7 @@ def test_plan_shows_both_layouts_and_info_the_layout(src, yuv, capsys):
     assert "data as yuv420" in out and "policy (rgb, rgb)" in out
     assert main(["info", str(yuv)]) == 0
     out = capsys.readouterr().out
-    assert "pixels:     yuv420" in out and "format:     3.0" in out
+    assert "pixels:     yuv420" in out and "format:     3.1" in out
 
 
 def test_verify_finds_a_flipped_byte_in_a_chroma_plane(yuv):
