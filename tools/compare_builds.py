@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Manifest keys that name one build rather than describe its content.
-PER_BUILD = ("generation", "files", "created", "checksums")
+# Manifest keys that name one build rather than describe its content (source_stamps: the
+# source's folder mtimes, unknown (-1) for a build that starts within a second of their change).
+PER_BUILD = ("generation", "files", "created", "checksums", "source_stamps")
 
 
 def export(rev: str, into: Path) -> Path:
