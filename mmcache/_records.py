@@ -75,6 +75,9 @@ def open_reader(cache: Path, generation: str, verify: bool) -> RecordReader:
     return RecordReader(cache, fmt.read_cache_files(manifest), verify)
 
 
+_LAZY = frozenset(("records", "offsets", "shapes", "nbytes", "labels"))
+
+
 class RecordReader:
     """The records of one opened cache generation, as this process reads them.
 
@@ -84,21 +87,21 @@ class RecordReader:
         verify: check each FILLED record's CRC-32 the first time this reader reads it.
     """
 
+    # The records as arrays, and (the same arrays) those each read indexes without an attribute
+    # lookup each: made on first use (``__getattr__``), as they cost 48 bytes per record and the
+    # process that opens a dataset for DataLoader workers may never read a record itself.
+    records: Records
+    offsets: np.ndarray
+    shapes: np.ndarray
+    nbytes: np.ndarray
+    labels: np.ndarray
+
     def __init__(self, cache: Path, files: fmt.CacheFiles, verify: bool) -> None:
         self.cache, self.files, self.manifest = cache, files, files.manifest
         index = files.index
-        self.records = Records(
-            offsets=index["offset"].astype(np.int64),
-            shapes=fmt.record_shapes(index),
-            nbytes=fmt.record_nbytes(index, files.manifest.pixels, files.manifest.mask),
-            labels=index["label"].astype(np.int64),
-        )
         self.data_path = files.manifest.file("data")
         self.pixels = files.manifest.pixels
         self.color = files.manifest.options.get("color", "rgb")
-        # The arrays each read indexes, without an attribute lookup each.
-        self.offsets, self.shapes = self.records.offsets, self.records.shapes
-        self.nbytes, self.labels = self.records.nbytes, self.records.labels
         self.data: np.ndarray | None = None  # the data file, mapped on first read
         self.fd = -1
         # The record states and their codes, mapped with the data (empty until then).
@@ -114,8 +117,23 @@ class RecordReader:
         # Which records this reader has checked (a bit each, ~160 KB for 1.28M records).
         self.verified = np.zeros(len(index), bool) if verify or self.unsure else None
 
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY or "files" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        index = self.files.index
+        records = Records(
+            offsets=index["offset"].astype(np.int64),
+            shapes=fmt.record_shapes(index),
+            nbytes=fmt.record_nbytes(index, self.manifest.pixels, self.manifest.mask),
+            labels=index["label"].astype(np.int64),
+        )
+        self.records = records
+        self.offsets, self.shapes = records.offsets, records.shapes
+        self.nbytes, self.labels = records.nbytes, records.labels
+        return self.__dict__[name]
+
     def __len__(self) -> int:
-        return len(self.offsets)
+        return len(self.files.index)
 
     def __del__(self) -> None:
         fd = getattr(self, "fd", -1)

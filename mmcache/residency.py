@@ -34,6 +34,7 @@ from . import format as fmt
 from ._generation import found_bad, garbage_bytes
 from ._staleness import recorded_source, stale_reason
 from .reports import CacheInfo, Memory, ProgressFn, WarmReport
+from .scan import source_exists
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
@@ -281,7 +282,7 @@ def cache_info(
         warnings=list(m.warnings),
         stale=stale_reason(files, quick=source_check == "quick") if check_stale else None,
         source=recorded_source(m),
-        source_found=Path(recorded_source(m)).exists(),
+        source_found=source_exists(recorded_source(m)),  # (a shard pattern is no path)
         resident_bytes=resident_bytes(m.file("data"), 0, m.sizes["data"]),
         ram_total=ram.total,
         ram_available=ram.available,

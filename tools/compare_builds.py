@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Manifest keys that name one build rather than describe its content (``source_stamps``: the
-# source folders' mtimes when it was scanned, -1 for one modified within a second of the scan).
+# Manifest keys that name one build rather than describe its content (source_stamps: the
+# source's folder mtimes, unknown (-1) for a build that starts within a second of their change).
 PER_BUILD = ("generation", "files", "created", "checksums", "source_stamps")
 
 

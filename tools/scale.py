@@ -139,7 +139,11 @@ def side_by_side(before: Path, folder: Path, cache: Path, repeat: int) -> None:
             runs["after"].append(run_step(name, folder, cache, ROOT))
         b, a = (statistics.median(r["seconds"] for r in runs[k]) for k in ("before", "after"))
         rb, ra = (max(r["peak_rss"] for r in runs[k]) / 2**20 for k in ("before", "after"))
-        print(f"{name:32s} {b:9.3f} {a:9.3f} {b / a:5.1f}x {rb:8.0f} MB {ra:8.0f} MB")
+        held = ""
+        if "bytes_per_record" in runs["after"][0]:
+            hb, ha = (min(r["bytes_per_record"] for r in runs[k]) for k in ("before", "after"))
+            held = f"  held: {hb:.0f} and {ha:.0f} B/record"
+        print(f"{name:32s} {b:9.3f} {a:9.3f} {b / a:5.1f}x {rb:8.0f} MB {ra:8.0f} MB{held}")
 
 
 def make_source(folder: Path, outer: Path, images: int, classes: int) -> None:
