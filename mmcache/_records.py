@@ -189,7 +189,7 @@ class RecordReader:
         empty, checked first with ``verify``; None if it is bad."""
         self.mapping()
         code = self.codes[i]
-        if code == fmt.FILLED and self.unsure and self.lost(i):
+        if self.unsure and code == fmt.FILLED and self.lost(i):
             code = fmt.EMPTY  # a fill that a power cut lost: filled again
         if code == fmt.EMPTY:
             if self.filler is None or self.filler.pid != os.getpid():
