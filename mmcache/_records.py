@@ -106,9 +106,8 @@ class RecordReader:
         self.fit_checked, self.exact = -FIT_CHECK_SECONDS, False  # see reads_exactly
         # Fills a power cut may have lost (another boot's ``filling-`` files): each FILLED
         # record's CRC-32 is checked before it is trusted, and one that fails is filled again.
-        self.unsure = files.manifest.mode == "lazy" and bool(
-            lost_fill_markers(files.manifest.path)
-        )
+        lazy = files.manifest.mode == "lazy"
+        self.unsure = lazy and bool(lost_fill_markers(files.manifest.path))
         # Which records this reader has checked (a bit each, ~160 KB for 1.28M records).
         self.verified = np.zeros(len(index), bool) if verify or self.unsure else None
 
