@@ -571,7 +571,7 @@ LAZY_FILL = textwrap.dedent(
 )
 
 
-def prepare(op: str, work: Path, images: int) -> dict:
+def prepare(op: str, work: Path, images: int, workers: int = 0) -> dict:
     """Make the source and the cache as they are before ``op``; returns what the recording
     and the checks need."""
     src, cache = work / "src", work / "cache"
@@ -580,7 +580,7 @@ def prepare(op: str, work: Path, images: int) -> dict:
     before = _decoded(src)
     watch, target = [cache], cache
     if op == "build":
-        cmd = ["-m", "mmcache", "build", src, cache, "--workers", "0", "-q"]
+        cmd = ["-m", "mmcache", "build", src, cache, "--workers", str(workers), "-q"]
     elif op.startswith("refresh"):
         _mmcache("build", src, cache, "--workers", "0", cwd=work)
         before = _decoded(src)
@@ -588,7 +588,8 @@ def prepare(op: str, work: Path, images: int) -> dict:
         (src / "c1" / "01.png").unlink()  # removed
         _image(src / "c1" / "90.png", seed=101)  # added
         share = "0.99" if op == "refresh-append" else "0"
-        cmd = ["-m", "mmcache", "build", src, cache, "--workers", "0", "--compact-at", share, "-q"]
+        cmd = ["-m", "mmcache", "build", src, cache, "--workers", str(workers), "--compact-at",
+               share, "-q"]  # fmt: skip
     elif op == "compact":
         _mmcache("build", src, cache, "--workers", "0", cwd=work)
         _image(src / "c0" / "00.png", seed=100)
@@ -754,9 +755,9 @@ class Tally:
 
 
 def explore(op: str, models: list[str], limit: int, seed: int, images: int, timeout: float,
-            work: Path, log=print) -> dict[str, Tally]:  # fmt: skip
+            work: Path, log=print, workers: int = 0) -> dict[str, Tally]:  # fmt: skip
     """Record ``op``, replay its crash states under each of ``models``, check each."""
-    t = prepare(op, work, images)
+    t = prepare(op, work, images, workers)
     initial = FS.snapshot([Path(p) for p in t["watch"]])
     old_manifest = Path(t["target"]) / "manifest.json"
     old_gen = json.loads(old_manifest.read_text())["generation"] if old_manifest.exists() else None
@@ -847,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="states per crash point enumerated in full; more are sampled")  # fmt: skip
     p.add_argument("--seed", type=int, default=20261205)
     p.add_argument("--images", type=int, default=6, help="source images (default 6)")
+    p.add_argument("--workers", type=int, default=2, help="the recorded builds' decode processes")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per state before a hang")
     p.add_argument("--quick", action="store_true", help="4 images, at most 8 states per point")
     p.add_argument("--workdir", help="keep the work files here (default: a temp folder)")
@@ -863,13 +865,13 @@ def main(argv: list[str] | None = None) -> int:
     for op in args.ops.split(","):
         with tempfile.TemporaryDirectory(prefix=f"mmcache-crash-{op}-", dir=args.workdir) as tmp:
             res = explore(op, models, args.exhaustive, args.seed, args.images, args.timeout,
-                          Path(tmp))  # fmt: skip
+                          Path(tmp), workers=args.workers)  # fmt: skip
         failed += sum(t.wrong + t.crashes + t.hangs + t.rebuild_failures for t in res.values())
     verdict = f"{failed} failures" if failed else "no wrong pixel, crash, hang or failed rebuild"
     print(f"{time.perf_counter() - start:.0f} s; {verdict}")
     print(f"reproduce: PYTHONPATH=. python tools/crash_states.py --ops {args.ops} "
           f"--models {args.models} --exhaustive {args.exhaustive} --seed {args.seed} "
-          f"--images {args.images}")  # fmt: skip
+          f"--images {args.images} --workers {args.workers}")  # fmt: skip
     return 1 if failed else 0
 
 
