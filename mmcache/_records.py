@@ -111,9 +111,8 @@ class RecordReader:
         self.fit_checked, self.exact = -FIT_CHECK_SECONDS, False  # see reads_exactly
         # Fills a power cut may have lost (another boot's ``filling-`` files): each FILLED
         # record's CRC-32 is checked before it is trusted, and one that fails is filled again.
-        self.unsure = files.manifest.mode == "lazy" and bool(
-            lost_fill_markers(files.manifest.path)
-        )
+        lazy = files.manifest.mode == "lazy"
+        self.unsure = lazy and bool(lost_fill_markers(files.manifest.path))
         # Which records this reader has checked (a bit each, ~160 KB for 1.28M records).
         self.verified = np.zeros(len(index), bool) if verify or self.unsure else None
 
@@ -209,7 +208,7 @@ class RecordReader:
         empty, checked first with ``verify``; None if it is bad."""
         self.mapping()
         code = self.codes[i]
-        if code == fmt.FILLED and self.unsure and self.lost(i):
+        if self.unsure and code == fmt.FILLED and self.lost(i):
             code = fmt.EMPTY  # a fill that a power cut lost: filled again
         if code == fmt.EMPTY:
             if self.filler is None or self.filler.pid != os.getpid():

@@ -7,11 +7,12 @@ tiny cache under ``strace -f``, which records every system call that changes a f
 that create or truncate, writes with their offsets and bytes, ``ftruncate``, ``fsync`` and
 ``fdatasync``, renames, unlinks, directory fsyncs, in-kernel copies. Why strace rather than a
 FUSE pass-through: it needs no mount, no package and no privilege, sees every process of the
-operation (``-f``: decode workers, fillers, ranks) in the order the kernel ran their calls, and
+operation (``-f``: fillers, ranks, decode workers) in the order the kernel ran their calls, and
 the code under test runs on the real file system, unchanged (a FUSE file system would change
 the timing and the page cache the code sees). What strace cannot see are stores through a
 writable shared mapping: the tool fails if the operation makes one (mmcache writes with
-``pwrite`` only).
+``pwrite`` only), and it fails if replaying every recorded call does not give, byte for byte,
+the files the operation left.
 
 The recorded calls are replayed onto the cache as it was before the operation, cut at every
 point, under two models of what a power cut keeps:
@@ -211,14 +212,13 @@ def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
     tables: dict[int, dict[int, tuple[_Open, bool]]] = {}  # pid -> fd -> (description, cloexec)
     ops: list[Op] = []
     unsupported: list[str] = []
-    first = True
 
     def path_of(pid: int, dirfd: str, p: str) -> str:
         raw = os.fsdecode(_bytes(p))
         if not os.path.isabs(raw):
             base = str(cwd)
             if dirfd not in ("AT_FDCWD", ""):
-                o = tables[pid].get(int(dirfd))
+                o = tables.get(pid, {}).get(int(dirfd))
                 base = o[0].path if o else base
             raw = os.path.join(base, raw)
         return os.path.normpath(raw)
@@ -233,9 +233,6 @@ def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
         ops.append(Op("write", ino=o.ino, offset=off, data=bytes(data)))
 
     for pid, call in _joined(log.read_text().splitlines()):
-        if first:
-            tables.setdefault(pid, {})
-            first = False
         m = _CALL.match(call)
         if not m:
             continue
@@ -246,8 +243,10 @@ def parse(log: Path, fs: FS, cwd: Path) -> list[Op]:
         table = tables.setdefault(pid, {})
         a = _split(args_s)
         if name in ("clone", "clone3", "fork", "vfork"):
-            shares = "CLONE_FILES" in args_s
-            tables[ret] = table if shares else dict(table)
+            if "CLONE_FILES" in args_s:
+                tables[ret] = table
+            else:  # (the child's first calls may be logged before the parent's return)
+                tables[ret] = {**table, **tables.get(ret, {})}
         elif name == "execve":
             for fd in [fd for fd, (_, cloexec) in table.items() if cloexec]:
                 del table[fd]
@@ -415,8 +414,6 @@ def plans(ops: list[Op], model: str, limit: int, rng: random.Random) -> tuple[li
     out: list[Plan] = []
     sampled = False
     for cut in range(len(ops) + 1):
-        if cut and ops[cut - 1].kind in ("fsync",) and cut < len(ops):
-            pass  # (every cut is explored: cheap, and identical states are checked once)
         unsynced = _unsynced(ops, cut)
         if model == "ordered":
             per_file: dict[int, list[int]] = {}
@@ -574,7 +571,7 @@ LAZY_FILL = textwrap.dedent(
 )
 
 
-def prepare(op: str, work: Path, images: int) -> dict:
+def prepare(op: str, work: Path, images: int, workers: int = 0) -> dict:
     """Make the source and the cache as they are before ``op``; returns what the recording
     and the checks need."""
     src, cache = work / "src", work / "cache"
@@ -583,7 +580,7 @@ def prepare(op: str, work: Path, images: int) -> dict:
     before = _decoded(src)
     watch, target = [cache], cache
     if op == "build":
-        cmd = ["-m", "mmcache", "build", src, cache, "--workers", "0", "-q"]
+        cmd = ["-m", "mmcache", "build", src, cache, "--workers", str(workers), "-q"]
     elif op.startswith("refresh"):
         _mmcache("build", src, cache, "--workers", "0", cwd=work)
         before = _decoded(src)
@@ -591,7 +588,8 @@ def prepare(op: str, work: Path, images: int) -> dict:
         (src / "c1" / "01.png").unlink()  # removed
         _image(src / "c1" / "90.png", seed=101)  # added
         share = "0.99" if op == "refresh-append" else "0"
-        cmd = ["-m", "mmcache", "build", src, cache, "--workers", "0", "--compact-at", share, "-q"]
+        cmd = ["-m", "mmcache", "build", src, cache, "--workers", str(workers), "--compact-at",
+               share, "-q"]  # fmt: skip
     elif op == "compact":
         _mmcache("build", src, cache, "--workers", "0", cwd=work)
         _image(src / "c0" / "00.png", seed=100)
@@ -757,9 +755,9 @@ class Tally:
 
 
 def explore(op: str, models: list[str], limit: int, seed: int, images: int, timeout: float,
-            work: Path, log=print) -> dict[str, Tally]:  # fmt: skip
+            work: Path, log=print, workers: int = 0) -> dict[str, Tally]:  # fmt: skip
     """Record ``op``, replay its crash states under each of ``models``, check each."""
-    t = prepare(op, work, images)
+    t = prepare(op, work, images, workers)
     initial = FS.snapshot([Path(p) for p in t["watch"]])
     old_manifest = Path(t["target"]) / "manifest.json"
     old_gen = json.loads(old_manifest.read_text())["generation"] if old_manifest.exists() else None
@@ -769,6 +767,13 @@ def explore(op: str, models: list[str], limit: int, seed: int, images: int, time
     fs.roots, fs.dirs = list(initial.roots), set(initial.dirs)
     fs.names, fs.files = dict(initial.names), {i: bytearray(b) for i, b in initial.files.items()}
     ops = parse(trace, fs, work)
+    # The recording must give back what the operation left: every byte of every file.
+    replayed = materialize(initial, ops, Plan(len(ops)))
+    actual = FS.snapshot([Path(p) for p in t["watch"]])
+    real = {p: bytes(actual.files[i]) for p, i in actual.names.items()} | dict.fromkeys(actual.dirs)
+    if replayed != real:
+        differ = sorted(set(replayed) ^ set(real)) or [p for p in real if replayed[p] != real[p]]
+        raise SystemExit(f"{op}: the recorded calls do not give the operation's result: {differ}")
     new_gen = json.loads((Path(t["target"]) / "manifest.json").read_text())["generation"]
     refs = {"before": t["before"], "after": _decoded(Path(t["src"])), "old_gen": old_gen,
             "new_gen": new_gen, "src": str(t["src"]),
@@ -843,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="states per crash point enumerated in full; more are sampled")  # fmt: skip
     p.add_argument("--seed", type=int, default=20261205)
     p.add_argument("--images", type=int, default=6, help="source images (default 6)")
+    p.add_argument("--workers", type=int, default=2, help="the recorded builds' decode processes")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per state before a hang")
     p.add_argument("--quick", action="store_true", help="4 images, at most 8 states per point")
     p.add_argument("--workdir", help="keep the work files here (default: a temp folder)")
@@ -859,13 +865,13 @@ def main(argv: list[str] | None = None) -> int:
     for op in args.ops.split(","):
         with tempfile.TemporaryDirectory(prefix=f"mmcache-crash-{op}-", dir=args.workdir) as tmp:
             res = explore(op, models, args.exhaustive, args.seed, args.images, args.timeout,
-                          Path(tmp))  # fmt: skip
+                          Path(tmp), workers=args.workers)  # fmt: skip
         failed += sum(t.wrong + t.crashes + t.hangs + t.rebuild_failures for t in res.values())
     verdict = f"{failed} failures" if failed else "no wrong pixel, crash, hang or failed rebuild"
     print(f"{time.perf_counter() - start:.0f} s; {verdict}")
     print(f"reproduce: PYTHONPATH=. python tools/crash_states.py --ops {args.ops} "
           f"--models {args.models} --exhaustive {args.exhaustive} --seed {args.seed} "
-          f"--images {args.images}")  # fmt: skip
+          f"--images {args.images} --workers {args.workers}")  # fmt: skip
     return 1 if failed else 0
 
 
