@@ -497,6 +497,12 @@ CLASS_COLOURS = np.array(
 )  # fmt: skip
 
 
+# The share of a photo-like image mixed into an annotated set's colours with ``texture``: at
+# 500x375, quality 90, its JPEGs average 45 KB (a quarter gave 29 KB; photo-like images alone
+# are 80-200 KB at 720x480).
+TEXTURE = 0.6
+
+
 def make_segmentation_set(
     root: str | os.PathLike[str],
     *,
@@ -514,8 +520,9 @@ def make_segmentation_set(
     Each image is background (class 0) with random rectangles and ellipses of the other
     classes, each pixel ``CLASS_COLOURS[class]``; its mask holds the class numbers, 8-bit
     grey, or a palette PNG (VOC's kind, written with Pillow) with ``palette``. ``texture``
-    mixes a quarter of a photo-like image into the colours (for benchmarks: photo-sized
-    JPEGs); without it the colours are exact, so a pixel's class reads back from its colour.
+    mixes a photo-like image into the colours (``TEXTURE`` of each pixel: for benchmarks,
+    JPEGs that cost what photos cost to decode); without it the colours are exact, so a pixel's
+    class reads back from its colour.
     Sizes vary by up to a quarter around ``size`` (height, width). Deterministic.
 
     Raises:
@@ -553,7 +560,7 @@ def make_segmentation_set(
             if canvas is None or canvas.out.shape[:2] != (h, w):
                 canvas = _Canvas.create(np.random.default_rng([seed, 3]), w, h)
             photo = _render(rng, canvas, float(rng.uniform(0, 360)), None)[:, :, ::-1]
-            rgb = cv2.addWeighted(rgb, 0.75, photo, 0.25, 0)
+            rgb = cv2.addWeighted(rgb, 1 - TEXTURE, photo, TEXTURE, 0)
         name = f"img_{k:05d}"
         encoder = _ENCODERS[suffix]
         params = [cv2.IMWRITE_JPEG_QUALITY, 90] if encoder == ".jpg" else []
@@ -622,7 +629,7 @@ def make_detection_set(
             })  # fmt: skip
         bgr: np.ndarray = np.ascontiguousarray(rgb[:, :, ::-1])
         if texture:
-            bgr = cv2.addWeighted(bgr, 0.75, make_photo(rng, h, w), 0.25, 0)
+            bgr = cv2.addWeighted(bgr, 1 - TEXTURE, make_photo(rng, h, w), TEXTURE, 0)
         _write(image_dir / name, bgr, encoder, params)
     json_path = root / "instances.json"
     json_path.write_text(json.dumps(doc))

@@ -84,7 +84,7 @@ def run_segmentation_bench(
     *,
     workdir: str | os.PathLike,
     images: int = 600,
-    image_size: tuple[int, int] = (320, 427),
+    image_size: tuple[int, int] = (375, 500),
     size: int = 224,
     batch_size: int = 64,
     workers: int = 2,
