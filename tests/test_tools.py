@@ -79,3 +79,17 @@ def test_train_ssl_runs_dino_steps_on_views_and_resumes_mid_epoch(tmp_path, caps
                       for name in ("whole", "resumed"))  # fmt: skip
     assert whole["step"] == resumed["step"] == 4
     assert math.isfinite(whole["loss"]) and whole["weights_sum"] == resumed["weights_sum"]
+
+
+def test_before_after_times_both_checkouts_in_turns(tmp_path):
+    from mmcache.sample_data import make_image_folder
+
+    make_image_folder(tmp_path / "src", classes=2, per_class=2, size=(48, 64))
+    repo = str(TOOLS.parent)
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / "before_after.py"), "--before", repo, "--after", repo,
+         "--source", str(tmp_path / "src"), "--runs", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "build: before" in run.stdout and "lazy epoch one: before" in run.stdout
