@@ -27,7 +27,16 @@ from mmcache import MemmapImageDataset, build_cache
 from mmcache.demo import DecodingDataset, time_epochs
 from mmcache.transforms import resize_into
 
-from .results import EventFn, MethodResult, RunSettings, Target, check_keys, epochs_table, pick
+from .results import (
+    EventFn,
+    MethodResult,
+    RunSettings,
+    TableReport,
+    Target,
+    check_keys,
+    epochs_table,
+    pick,
+)
 from .training import alternately
 
 MULTICROP_ROWS = {
@@ -57,12 +66,9 @@ class MultiCropSettings(RunSettings):
 
 
 @dataclass
-class MultiCropReport:
+class MultiCropReport(TableReport):
     """The multi-crop table: the same views of the same images, four ways, and a profile."""
 
-    settings: dict
-    rows: list[MethodResult] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
     profile: list[dict] = field(default_factory=list)
 
     def pixels_per_image(self, key: str) -> int:

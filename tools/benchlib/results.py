@@ -129,6 +129,26 @@ class Target:
         return got, need, {True: "pass", False: "FAIL", None: "n/a"}[self.passed]
 
 
+@dataclass
+class TableReport:
+    """A table after the loading one: its settings, its rows timed epoch by epoch, and the
+    targets computed from them."""
+
+    settings: dict
+    rows: list[MethodResult] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+
+    def row(self, key: str) -> MethodResult | None:
+        return pick(self.rows, key)
+
+    def rate_table(self) -> list[str]:
+        """The rows as markdown: a column per epoch's seconds, then the steady img/s."""
+        return epochs_table(
+            self.rows, ["method"], ["img/s (median 2..)"],
+            lambda r: ([r.name], [f"{r.steady_images_per_second:,.0f}"]),
+        )  # fmt: skip
+
+
 def check_keys(chosen: Iterable[str], known: dict[str, str], what: str) -> None:
     """Refuse keys of ``chosen`` that ``known`` lacks, naming the choices."""
     unknown = set(chosen) - set(known)

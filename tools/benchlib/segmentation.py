@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -22,7 +22,7 @@ from mmcache.annotations import read_mask
 from mmcache.demo import time_epochs
 from mmcache.sample_data import make_segmentation_set
 
-from .results import EventFn, MethodResult, Target, check_keys, epochs_table
+from .results import EventFn, MethodResult, TableReport, Target, check_keys
 from .results import steady_rate as rate_of
 from .training import alternately
 
@@ -37,19 +37,12 @@ ALTERNATED = ("batch_loader_masks", "batch_loader_plain")
 
 
 @dataclass
-class SegmentationReport:
+class SegmentationReport(TableReport):
     """The segmentation table: the same crops of the same images and masks, four ways."""
-
-    settings: dict
-    rows: list[MethodResult] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
 
     def to_markdown(self) -> str:
         s = self.settings
-        lines = epochs_table(
-            self.rows, ["method"], ["img/s (median 2..)"],
-            lambda r: ([r.name], [f"{r.steady_images_per_second:,.0f}"]),
-        )  # fmt: skip
+        lines = self.rate_table()
         return "\n".join([
             "## Segmentation",
             "",

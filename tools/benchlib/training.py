@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -26,7 +26,7 @@ import mmcache
 from mmcache import MemmapImageDataset, build_cache
 from mmcache.demo import DecodingDataset, time_epochs
 
-from .results import EventFn, MethodResult, RunSettings, Target, check_keys, epochs_table, pick
+from .results import EventFn, MethodResult, RunSettings, TableReport, Target, check_keys
 from .results import steady_rate as rate_of
 
 TRAINING_ROWS = {
@@ -45,23 +45,14 @@ YUV420_ROWS = ("mmcache_crop_yuv420", "batch_loader_crop_yuv420")
 
 
 @dataclass
-class TrainingReport:
+class TrainingReport(TableReport):
     """The training-pipeline table: the same crops of the same images, seven ways."""
 
-    settings: dict
-    rows: list[MethodResult] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
     ffcv: dict | None = None
-
-    def row(self, key: str) -> MethodResult | None:
-        return pick(self.rows, key)
 
     def to_markdown(self) -> str:
         s = self.settings
-        lines = epochs_table(
-            self.rows, ["method"], ["img/s (median 2..)"],
-            lambda r: ([r.name], [f"{r.steady_images_per_second:,.0f}"]),
-        )  # fmt: skip
+        lines = self.rate_table()
         out = [
             "## Training pipeline",
             "",
