@@ -435,3 +435,15 @@ def test_masks_with_an_archive_source_are_refused(seg, tmp_path):
         tar.add(images, arcname="images")
     with pytest.raises(SourceError, match="masks pair with images in a folder, not in an archive"):
         build_cache(tmp_path / "images.tar", tmp_path / "c", masks=masks, workers=0)
+
+
+def test_batchloader_fills_a_lazy_cache_s_masks_as_it_reads(seg, tmp_path):
+    from mmcache import BatchLoader
+
+    ds = MemmapImageDataset(tmp_path / "lazy", source=seg[0], masks=seg[1])
+    loader = BatchLoader(ds, 3, seed=0, crop=RandomResizedCrop(24), flip=True)
+    for images, target in loader:
+        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+            inside = away_from_borders(mask)
+            np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
+    assert (np.fromfile(ds.manifest.file("state"), fmt.STATE_DTYPE)["state"] == fmt.FILLED).all()
