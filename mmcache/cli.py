@@ -515,7 +515,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     bar = _Progress("reading headers", unit="file", delay=0.5)
     try:
-        plan = plan_cache(_source(args), args.cache, progress=bar, **_preprocessing_kwargs(args))
+        # build --dry-run --masks: records with masks (their bytes counted; not checked here)
+        masked = getattr(args, "masks", None) is not None
+        mask = {"mask": args.mask_dtype or "uint8"} if masked else {}
+        plan = plan_cache(
+            _source(args), args.cache, progress=bar, **_preprocessing_kwargs(args), **mask
+        )
     finally:
         bar.close()
     _print_plan(plan, print)

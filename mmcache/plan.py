@@ -195,7 +195,7 @@ def plan_cache(
         layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
         heights, widths, channels = layout.shapes.T
         by_layout = {
-            name: layout_offsets(px.record_nbytes(heights, widths, channels, name))[1]
+            name: layout_offsets(px.record_nbytes(heights, widths, channels, name, o.mask))[1]
             for name in layouts
         }
         return PolicyPlan(o, len(kept), generation_sizes(kept, layout.data_bytes), by_layout)
@@ -204,6 +204,7 @@ def plan_cache(
         "color": opts.color,
         "max_pixels": opts.max_pixels,
         "pixels": opts.pixels,
+        "mask": opts.mask,  # records with masks: each policy's sizes count them
     }
     policies = [policy(Options(**base, **p)) for p in COMMON_POLICIES]
     same = [p for p in policies if _same_shapes(p.options, opts)]
@@ -234,13 +235,14 @@ def plan_cache(
 
 def _same_shapes(a: Options, b: Options) -> bool:
     """Whether two options store every image at the same shape (interpolation aside)."""
-    return (a.size, a.max_side, a.short_side, a.color, a.max_pixels, a.pixels) == (
+    return (a.size, a.max_side, a.short_side, a.color, a.max_pixels, a.pixels, a.mask) == (
         b.size,
         b.max_side,
         b.short_side,
         b.color,
         b.max_pixels,
         b.pixels,
+        b.mask,
     )
 
 

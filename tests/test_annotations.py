@@ -447,3 +447,19 @@ def test_batchloader_fills_a_lazy_cache_s_masks_as_it_reads(seg, tmp_path):
             inside = away_from_borders(mask)
             np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
     assert (np.fromfile(ds.manifest.file("state"), fmt.STATE_DTYPE)["state"] == fmt.FILLED).all()
+
+
+def test_the_plan_counts_the_masks_bytes(seg, tmp_path, capsys):
+    from mmcache import plan_cache
+
+    images, masks = seg
+    report = build_cache(images, tmp_path / "c", masks=masks, short_side=40, workers=0)
+    plan = plan_cache(images, short_side=40, mask="uint8")
+    without = plan_cache(images, short_side=40).build.data_bytes
+    assert plan.build.data_bytes == report.bytes > without
+    args = ["build", str(images), str(tmp_path / "d"), "--masks", str(masks), "--dry-run"]
+    assert main([*args, "--short-side", "40"]) == 0
+    from mmcache._feedback import human_bytes
+
+    line = next(x for x in capsys.readouterr().out.splitlines() if "<- this build" in x)
+    assert human_bytes(report.bytes) in line
