@@ -33,7 +33,7 @@ from . import format as fmt
 from . import pixels as px
 from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
 from ._files import fsync_dir, write_pixels, write_state
-from .annotations import MASK_PATH, MASK_STAT
+from .annotations import recorded_mask_file
 from .decode import Options, decode_record
 from .errors import CacheFormatError, DestinationError
 from .scan import IMAGE_EXTENSIONS
@@ -84,8 +84,9 @@ class RecordFiller:
             raise CacheFormatError(f"{self.files.manifest.path}: unsafe source path {rel!r}")
         size, mtime = int(r["source_size"]), int(r["source_mtime_ns"])
         if self.members is None:
+            mask = recorded_mask_file(self.files, i)
             code, crc, _, pixels = decode_record(
-                os.path.join(self.root, rel), size, mtime, self.options, mask=self.mask_file(i)
+                os.path.join(self.root, rel), size, mtime, self.options, mask=mask
             )
         else:
             ref = self.members.ref(rel, size, mtime)
@@ -110,22 +111,6 @@ class RecordFiller:
                 raise full from None
             raise
         return code, pixels
-
-    def mask_file(self, i: int) -> tuple[str, int, int] | None:
-        """Record ``i``'s mask ``(path, size, mtime_ns)`` as recorded, if records carry masks.
-
-        Raises:
-            CacheFormatError: the recorded mask path could lead outside the masks folder.
-        """
-        files = self.files
-        root = files.manifest.source.get("masks")
-        if self.options.mask is None or not root or MASK_PATH not in files.fields:
-            return None
-        rel = files.field_rows(MASK_PATH, i).tobytes().decode("utf-8", "surrogateescape")
-        if fmt.check_relative_path(rel) is not None:
-            raise CacheFormatError(f"{files.manifest.path}: unsafe mask path {rel!r}")
-        size, mtime = (int(v) for v in files.field_rows(MASK_STAT, i).reshape(2))
-        return os.path.join(root, rel), size, mtime
 
     def close(self) -> None:
         """Flush what this process filled to disk, delete its ``filling-`` file, close."""
@@ -204,7 +189,8 @@ def lost_fill_markers(folder: Path) -> list[Path]:
 def stored_crc(data_fd: int, files: fmt.CacheFiles, i: int) -> int | None:
     """CRC-32 of record ``i``'s bytes in the data file, or None if the file ends before them."""
     off = int(files.index[i]["offset"])
-    n = int(fmt.record_nbytes(files.index[i : i + 1], files.manifest.pixels)[0])
+    m = files.manifest
+    n = int(fmt.record_nbytes(files.index[i : i + 1], m.pixels, m.mask)[0])
     got = os.pread(data_fd, n, off)
     return zlib.crc32(got) if len(got) == n else None
 

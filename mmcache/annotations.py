@@ -440,6 +440,23 @@ def carry_user_fields(previous: fmt.CacheFiles, listing: Any) -> None:
         a.user.append(name)
 
 
+def recorded_mask_file(files: fmt.CacheFiles, i: int) -> tuple[str, int, int] | None:
+    """Record ``i``'s mask ``(path, size, mtime_ns)`` as the cache recorded it, or None for a
+    cache whose records carry no mask.
+
+    Raises:
+        CacheFormatError: the recorded mask path could lead outside the masks folder.
+    """
+    root = files.manifest.source.get("masks")
+    if files.manifest.mask is None or not root or MASK_PATH not in files.fields:
+        return None
+    rel = files.field_rows(MASK_PATH, i).tobytes().decode("utf-8", "surrogateescape")
+    if fmt.check_relative_path(rel) is not None:
+        raise CacheFormatError(f"{files.manifest.path}: unsafe mask path {rel!r}")
+    size, mtime = (int(v) for v in files.field_rows(MASK_STAT, i).reshape(2))
+    return os.path.join(root, rel), size, mtime
+
+
 def recorded_annotations(files: fmt.CacheFiles) -> Annotations | None:
     """The annotations a cache's records carry, as its manifest and ``fields`` file record
     them (boxes already in the stored images' pixels); None if it has none."""

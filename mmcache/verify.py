@@ -22,6 +22,7 @@ from . import format as fmt
 from ._archives import ARCHIVE_KINDS, RecordedMembers, member_file
 from ._filler import lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
+from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
@@ -324,11 +325,20 @@ def _compare_one(
         report.bad.append(BadRecord(r, rel, f"stored as {shape}, the source decodes to {decoded}"))
         return
     expected = preprocess(img, options, native)
-    nbytes = shape[0] * shape[1] * shape[2]
+    mask = recorded_mask_file(files, r)
+    if mask is not None and options.mask is not None:  # its mask, decoded again with it
+        record = mask_record(expected, mask, native, options.mask)
+        if isinstance(record, tuple):
+            report.bad.append(BadRecord(r, rel, record[1]))
+            return
+        expected = record
+    # The record's bytes as the build stores them (pixels, and a mask after them).
+    want = np.frombuffer(np.ascontiguousarray(expected).tobytes(), np.uint8)
+    nbytes = want.size
     stored = os.pread(f.fileno(), nbytes, int(rec["offset"]))
     if len(stored) < nbytes:
         raise CacheFormatError(f"{files.manifest.file('data')}: truncated while it was verified")
-    differ = int(np.count_nonzero(np.frombuffer(stored, np.uint8) != expected.reshape(-1)))
+    differ = int(np.count_nonzero(np.frombuffer(stored, np.uint8) != want))
     if differ:
         report.bad.append(
             BadRecord(r, rel, f"{differ} of {nbytes} bytes differ from the decoded source")

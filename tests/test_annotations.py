@@ -463,3 +463,40 @@ def test_the_plan_counts_the_masks_bytes(seg, tmp_path, capsys):
 
     line = next(x for x in capsys.readouterr().out.splitlines() if "<- this build" in x)
     assert human_bytes(report.bytes) in line
+
+
+def test_verify_against_the_source_decodes_the_masks_too(seg, tmp_path):
+    images, masks = seg
+    own = tmp_path / "masks"  # as BMPs: a pixel changed keeps the file's size
+    own.mkdir()
+    for png in masks.iterdir():
+        cv2.imwrite(str(own / (png.stem + ".bmp")), cv2.imread(str(png), cv2.IMREAD_UNCHANGED))
+    build_cache(images, tmp_path / "c", masks=own, workers=0)
+    report = verify_cache(tmp_path / "c", source="all")
+    assert report.ok and report.source_compared == 6
+    # A mask rewritten in place, its size and mtime put back: only decoding it again sees it.
+    path = own / "img_00004.bmp"
+    st = path.stat()
+    mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    mask[0, 0] = 3 if mask[0, 0] != 3 else 1
+    cv2.imwrite(str(path), mask)
+    assert path.stat().st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    bad = verify_cache(tmp_path / "c", source="all").bad
+    assert [b.path for b in bad] == ["img_00004.png"]
+
+
+def test_after_a_reboot_a_lazy_cache_s_masked_fills_check_whole(seg, tmp_path, monkeypatch):
+    import mmcache._filler
+
+    images, masks = seg
+    ds = MemmapImageDataset(tmp_path / "lazy", source=images, masks=masks)
+    for i in range(len(ds)):
+        ds[i]
+    ds._reader.filler.close()
+    # Another boot's filler file: every fill is checked, pixels and mask, before it is trusted.
+    (tmp_path / "lazy" / "filling-0123456789abcdef").write_text("another-boot-before")
+    monkeypatch.setattr(mmcache._filler, "boot_id", lambda: "another-boot")
+    assert not verify_cache(tmp_path / "lazy").bad  # whole records: none taken for lost
+    # The writer's scrub keeps every fill (none lost), so the build decodes nothing.
+    assert build_cache(images, tmp_path / "lazy", masks=masks, workers=0).decoded == 0

@@ -100,7 +100,7 @@ def generation(cache: Path) -> dict:
         "data": m.file("data").name,
         "data_size": os.stat(m.file("data")).st_size,
         # pixels: padding left out
-        "live": int(fmt.record_nbytes(files.index, m.pixels).sum()),
+        "live": int(fmt.record_nbytes(files.index, m.pixels, m.mask).sum()),
         "files": [os.stat(m.file(k)).st_size for k in ("index", "state", "paths")]
         + [os.stat(cache / fmt.MANIFEST_NAME).st_size],
         "count": m.count,
