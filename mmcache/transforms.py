@@ -451,7 +451,17 @@ class MultiCrop:
 
     def __call__(self, img: np.ndarray) -> Any:
         """The views of ``img`` (a list of new arrays), with ``return_params`` and their
-        parameters; boxes and flips drawn from torch's generator."""
+        parameters; boxes and flips drawn from torch's generator.
+
+        Raises:
+            ValueError: an ``(image, target)`` pair (a cache with masks or boxes), whose
+                target the views would have to move each their own way.
+        """
+        if isinstance(img, tuple):
+            raise ValueError(
+                "MultiCrop takes an image, not an (image, target) pair: views of a cache with "
+                "masks or boxes are not supported"
+            )
         params = []
         for crop in self.crops:
             top, left, height, width = crop.draw(*img.shape[:2])

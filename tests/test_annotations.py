@@ -500,3 +500,11 @@ def test_after_a_reboot_a_lazy_cache_s_masked_fills_check_whole(seg, tmp_path, m
     assert not verify_cache(tmp_path / "lazy").bad  # whole records: none taken for lost
     # The writer's scrub keeps every fill (none lost), so the build decodes nothing.
     assert build_cache(images, tmp_path / "lazy", masks=masks, workers=0).decoded == 0
+
+
+def test_multicrop_of_an_annotated_cache_is_refused(seg_cache):
+    from mmcache import MultiCrop
+
+    ds = MemmapImageDataset(seg_cache, transform=MultiCrop([(RandomResizedCrop(16), 2)]))
+    with pytest.raises(ValueError, match="not an \\(image, target\\) pair"):
+        ds[0]
