@@ -40,6 +40,7 @@ from .format import (
     CacheFiles,
     Manifest,
     dtype_descr,
+    field_row_dtype,
     file_name,
     is_cache_file_name,
     is_fill_marker_name,
@@ -108,7 +109,7 @@ def fields_file(specs: list[dict[str, Any]], values: list[list[np.ndarray]]) -> 
     arrays of ``values`` (one per record, each of the field's row shape), in order."""
     parts = []
     for spec, arrays in zip(specs, values):
-        row = np.dtype((np.dtype(spec["dtype"]), tuple(spec["shape"][1:])))
+        row = field_row_dtype(spec)
         counts = np.array([len(a) for a in arrays], np.int64)
         starts = np.zeros(len(arrays) + 1, "<u8")
         starts[1:] = np.cumsum(counts)

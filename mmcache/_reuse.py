@@ -18,7 +18,7 @@ from . import format as fmt
 from . import pixels as px
 from ._files import copy_range
 from ._layout import Layout
-from .annotations import MASK_PATH, MASK_STAT
+from .annotations import recorded_mask
 from .scan import Listing
 
 
@@ -87,13 +87,10 @@ def _same_mask(previous: fmt.CacheFiles, j: int, listing: Listing, i: int) -> bo
     same file, size and mtime), or neither has one."""
     a = listing.annotations
     mine = None if a is None else a.mask_file(i)
-    if MASK_STAT not in previous.fields:
-        return mine is None
-    if mine is None:
-        return False
-    rel = previous.field_rows(MASK_PATH, j).tobytes().decode("utf-8", "surrogateescape")
-    stat = tuple(int(v) for v in previous.field_rows(MASK_STAT, j).reshape(2))
-    return a is not None and rel == a.mask_paths[i] and stat == mine[1:]
+    theirs = recorded_mask(previous, j)
+    if mine is None or theirs is None:
+        return mine is theirs
+    return a is not None and theirs == (a.mask_paths[i], *mine[1:])
 
 
 def carry_skips(

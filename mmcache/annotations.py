@@ -440,21 +440,31 @@ def carry_user_fields(previous: fmt.CacheFiles, listing: Any) -> None:
         a.user.append(name)
 
 
-def recorded_mask_file(files: fmt.CacheFiles, i: int) -> tuple[str, int, int] | None:
-    """Record ``i``'s mask ``(path, size, mtime_ns)`` as the cache recorded it, or None for a
-    cache whose records carry no mask.
+def recorded_mask(files: fmt.CacheFiles, i: int) -> tuple[str, int, int] | None:
+    """Record ``i``'s mask ``(path relative to the masks folder, size, mtime_ns)`` as the
+    cache recorded it, or None for a cache whose records carry no mask.
 
     Raises:
         CacheFormatError: the recorded mask path could lead outside the masks folder.
     """
-    root = files.manifest.source.get("masks")
-    if files.manifest.mask is None or not root or MASK_PATH not in files.fields:
+    if files.manifest.mask is None or not files.manifest.source.get("masks"):
+        return None
+    if MASK_PATH not in files.fields:
         return None
     rel = files.field_rows(MASK_PATH, i).tobytes().decode("utf-8", "surrogateescape")
     if fmt.check_relative_path(rel) is not None:
         raise CacheFormatError(f"{files.manifest.path}: unsafe mask path {rel!r}")
     size, mtime = (int(v) for v in files.field_rows(MASK_STAT, i).reshape(2))
-    return os.path.join(root, rel), size, mtime
+    return rel, size, mtime
+
+
+def recorded_mask_file(files: fmt.CacheFiles, i: int) -> tuple[str, int, int] | None:
+    """``recorded_mask`` with the path joined to the recorded masks folder: the file to read."""
+    mask = recorded_mask(files, i)
+    if mask is None:
+        return None
+    rel, size, mtime = mask
+    return os.path.join(files.manifest.source["masks"], rel), size, mtime
 
 
 def recorded_annotations(files: fmt.CacheFiles) -> Annotations | None:
@@ -468,14 +478,9 @@ def recorded_annotations(files: fmt.CacheFiles) -> Annotations | None:
     for spec in m.fields:
         name = spec["name"]
         a.arrays[name] = (spec, [files.field_rows(name, i) for i in range(n)])
-    if m.source.get("masks") and MASK_PATH in files.fields:
+    masks = [recorded_mask(files, i) for i in range(n)]
+    if any(masks):
         a.masks_root = Path(m.source["masks"])
-        a.mask_paths = [
-            files.field_rows(MASK_PATH, i).tobytes().decode("utf-8", "surrogateescape") or None
-            for i in range(n)
-        ]
-        for rel in a.mask_paths:
-            if rel is not None and fmt.check_relative_path(rel) is not None:
-                raise CacheFormatError(f"{m.path}: unsafe mask path {rel!r}")
-        a.mask_stats = files.fields[MASK_STAT][1].reshape(n, 2).astype(np.int64)
+        a.mask_paths = [None if k is None else k[0] for k in masks]
+        a.mask_stats = np.array([k[1:] if k else (0, 0) for k in masks], np.int64).reshape(n, 2)
     return a
