@@ -168,6 +168,17 @@ class Ring:
                     for _ in range(slots)
                 ]
         self.normalize, self.channels_last = normalize, channels_last
+        self.pinned = pin_memory
+
+    def claim(self, slot: int) -> None:
+        """Make slot ``slot`` safe to refill (CPU batches): each of its buffers that a batch
+        handed out still uses (the caller kept it, or a view of it) is replaced by a new one,
+        so what the caller holds stays as it was. Pinned buffers are always replaced, from
+        torch's caching host allocator, which hands a block out again only once the
+        asynchronous copies from it have finished."""
+        for buffers in (self.images, self.labels, self.floats, self.masks):
+            if buffers is not None:
+                renew(buffers, slot, self.pinned)
 
     def output(self, slot: int, n: int) -> tuple[torch.Tensor, Any]:
         """Slot ``slot``'s first ``n`` images and labels (or, from an annotated cache, their
@@ -193,6 +204,23 @@ class Ring:
         return target
 
 
+def in_use(tensor: torch.Tensor) -> bool:
+    """Whether anything but ``tensor`` itself uses its memory (a batch handed out, a view or
+    numpy array of it). The storage's use count counts each tensor over it, and the
+    Python storage object made to ask."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
+
+
+def renew(buffers: list[torch.Tensor], slot: int, pinned: bool) -> None:
+    """Replace ``buffers[slot]`` by a new buffer of its shape, strides and type if it is in
+    use or pinned (see ``Ring.claim``)."""
+    old = buffers[slot]
+    if pinned or in_use(old):
+        buffers[slot] = torch.empty_strided(
+            old.shape, old.stride(), dtype=old.dtype, pin_memory=pinned
+        )
+
+
 @dataclass
 class Job:
     """What the filling threads of one iteration read (only ``fd`` changes: closed at the end).
@@ -200,8 +228,10 @@ class Job:
     Attributes:
         order: the record indices of the iteration, in order.
         batch_size: records per batch (the last batch may hold fewer).
-        ahead: CPU: batches filled ahead of the one the consumer holds (the ring has one slot
-            more); CUDA: device batches ready and not yet taken, at most.
+        ahead: CPU: batches filled ahead of the one the consumer holds (the ring has two slots
+            more: the batch held and the one before it, which a ``for`` loop's variable still
+            references while it asks for the next); CUDA: device batches ready and not yet
+            taken, at most.
         ring: the buffers (CPU: a slot per batch in flight; CUDA: a pinned slot per thread).
         device: where batches go.
         normalize: the normalisation of CUDA batches (CPU ones are normalised by the ring).
@@ -285,10 +315,13 @@ class Iteration:
         job: what the threads read.
         start: batches of the order to skip (a resumed epoch).
         threads: filling threads (no more than there are batches to fill).
-        taken: called with the number of batches handed out, after each.
+        taken: called with the number of batches handed out, after each, and whether the
+            iteration is over (once more, with True, when it ends: ``StopIteration``).
     """
 
-    def __init__(self, job: Job, start: int, threads: int, taken: Callable[[int], None]) -> None:
+    def __init__(
+        self, job: Job, start: int, threads: int, taken: Callable[[int, bool], None]
+    ) -> None:
         self._count = job.count
         self._taken = min(start, self._count)
         self._shared = shared = Shared(self._taken)
@@ -318,10 +351,11 @@ class Iteration:
             raise RuntimeError(self._closed)
         if self._taken >= self._count:
             self.close()
+            self._on_taken(self._taken, True)
             raise StopIteration
         batch = self._wait(self._taken)
         self._taken += 1
-        self._on_taken(self._taken)
+        self._on_taken(self._taken, False)
         if batch.copied is not None:
             # The current stream is per thread: order the caller's stream after the copy, and
             # tell the caching allocator that stream uses the tensors, so their memory is not
@@ -428,13 +462,20 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
                 if number >= job.count or shared.stop or shared.failure is not None:
                     return
                 shared.next_batch += 1
-                # CPU: slot number % slots last held batch number - slots, given back once the
-                # consumer asks for the batch after that. CUDA: bound the device batches waiting.
+                # CPU: slot number % slots last held batch number - slots, which the consumer
+                # dropped (unless kept: Ring.claim) once it asks for the batch two after it.
+                # CUDA: bound the device batches waiting.
                 while number > shared.released + job.ahead and not shared.stop:
                     shared.cond.wait()
                 if shared.stop:
                     return
             slot = thread_number if cuda else number % slots
+            if not cuda:  # a batch the caller still holds keeps its buffers
+                for ring in job.view_rings or [job.ring]:
+                    ring.claim(slot)
+                for params in job.params or ():
+                    for view in range(len(params)):
+                        renew(params, view, job.ring.pinned)
             if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
                 first = number * job.batch_size
                 last = min(first + job.batch_size, len(job.order)) - 1
@@ -453,6 +494,9 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
                 batch = Batch(*job.ring.output(slot, n), copied=None)
             with shared.cond:
                 shared.ready[number] = batch
+                # Hold nothing of a batch once handed out (the consumer takes it under this
+                # lock): its slot's buffers count as in use while anything references them.
+                del batch, images
                 shared.cond.notify_all()
     except BaseException as e:  # handed to the consumer, which raises it from next()
         with shared.cond:

@@ -73,18 +73,26 @@ class BatchLoader:
     ``images`` is a uint8 tensor N x H x W x C (the stored pixels, or with ``crop`` the crops
     resized to ``crop.size``), ``labels`` an int64 tensor N. With ``normalize`` the images are
     floats N x C x H x W instead: ``(x / 255 - mean) / std``, of ``dtype``. Background threads
-    fill a ring of ``prefetch + 1`` preallocated batch buffers (pinned if ``pin_memory``);
-    nothing is allocated per batch on the CPU and nothing crosses a process boundary.
+    fill a ring of ``prefetch + 2`` preallocated batch buffers (pinned if ``pin_memory``):
+    a loop that drops each batch allocates nothing per batch, and nothing crosses a process
+    boundary.
 
-    Buffer contract (CPU batches, ``device`` None or CPU): a yielded batch is a view of a ring
-    buffer and stays valid until you ask for the next batch (the next ``next()`` call, i.e. the
-    next turn of the ``for`` loop); from then on its buffer may be refilled. To keep a batch
-    longer, copy it: ``images.clone()``. Do not ``.to("cuda", non_blocking=True)`` a CPU batch
-    yourself (the copy may outlive the buffer's turn): pass ``device``. With a CUDA ``device``,
-    each batch is a new device tensor (from torch's caching allocator, so no real allocation)
-    that stays valid as long as you hold it; the copy to the device runs on a side stream,
-    asynchronously from pinned buffers, then normalisation runs there, and the batch is ordered
-    before any work you queue on the current stream.
+    Ownership: a batch stays as it was for as long as you hold it (images, labels, targets,
+    views), as with ``DataLoader``; keep batches in a list without copying them. CPU batches
+    are views of a ring of ``prefetch + 2`` buffers: a buffer that a batch you hold still uses
+    (or a view or numpy array of it) is replaced by a new one before its slot is refilled, so
+    a loop that drops each batch reuses the ring and allocates nothing. Pinned buffers are
+    never refilled in place: each refill takes a new one from torch's caching host allocator,
+    which reuses a block only after the asynchronous copies from it have finished, so
+    ``images.to("cuda", non_blocking=True)`` of a pinned batch is safe. With a CUDA ``device``,
+    each batch is a new device tensor (from torch's caching allocator, so no real allocation);
+    the copy to the device runs on a side stream, asynchronously from pinned buffers, then
+    normalisation runs there, and the batch is ordered before any work you queue on the
+    current stream.
+
+    Epochs: each new iteration starts the epoch after the last one's, unless ``set_epoch``
+    was called since (it pins the next iteration's epoch), as ``DataLoader(shuffle=True)``
+    reshuffles on every ``iter()``.
 
     Ending an iteration early (``break``, an exception, dropping the iterator) stops and joins
     its threads. An error raised in a thread (a record not in the cache, say) is raised from
@@ -96,7 +104,8 @@ class BatchLoader:
         dataset: an opened cache. Its ``transform`` and ``target_transform`` must be None:
             crop with ``crop``, transform the batches (on the GPU, typically).
         batch_size: records per batch. The arguments after it are keyword-only.
-        shuffle: a new random order each epoch (see ``seed``, ``set_epoch``).
+        shuffle: a new random order each epoch, that is each iteration unless ``set_epoch``
+            pins one (see ``seed``).
         sampler: any iterable of record indices (``RandomSampler``, ``DistributedSampler``,
             ``QuasiRandomSampler``...); with a sampler, ``shuffle`` must be False, as in
             ``DataLoader``.
@@ -251,6 +260,11 @@ class BatchLoader:
         self._iteration_seed: int | None = None  # the seed of the last or live iteration
         self._start = 0  # batches of the epoch the next iteration skips (a resumed epoch)
         self._done = 0  # batches of this epoch handed out
+        # The next iteration is epoch self.epoch (set_epoch, load_state_dict, or none yet);
+        # otherwise it starts the one after. And the epoch last given to the sampler.
+        self._epoch_set = True
+        self._sampler_epoch: int | None = None
+        self._over = False  # the last iteration ended (StopIteration)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -271,11 +285,32 @@ class BatchLoader:
         return [(*crop.size, _channels(self.dataset)) for crop in self._view_crops]
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order, boxes and flips next (and forward it to the sampler)."""
+        """Use epoch ``epoch``'s order, boxes and flips next (and forward it to the sampler).
+
+        Without it, each new iteration starts the epoch after the last one's, as
+        ``DataLoader(shuffle=True)`` reshuffles on every ``iter()``; with it, the next
+        iteration is epoch ``epoch`` however often it is called.
+        """
         self.epoch = epoch
         self._start = self._done = 0
+        self._epoch_set = True
         if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+    def _next_epoch(self) -> None:
+        """Start the epoch after the last iteration's (no ``set_epoch`` since it began), and
+        the sampler's next epoch too, unless the caller gave it one since (its ``set_epoch``
+        called directly, as with a ``DataLoader``)."""
+        self.epoch += 1
+        self._start = self._done = 0
+        sampler = self.sampler
+        if sampler is None or not hasattr(sampler, "set_epoch"):
+            return
+        current = getattr(sampler, "epoch", None)
+        if current is None:
+            sampler.set_epoch(self.epoch)
+        elif current == self._sampler_epoch:
+            sampler.set_epoch(current + 1)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is in its epoch, as plain JSON-serialisable data.
@@ -284,17 +319,22 @@ class BatchLoader:
         goes on from the next batch: the same indices and, with the same ``crop``, the same
         pixels. Save it with the model's checkpoint.
         """
+        epoch, batches, sampler = self.epoch, self._done, self.sampler
+        if self._over and not self._epoch_set:
+            # The iteration ended and the next one starts the next epoch: say so, so that a
+            # resumed loader's first iteration is that epoch, not the empty rest of this one.
+            epoch, batches, sampler = epoch + 1, 0, None
         return {
             "version": STATE_VERSION,
-            "epoch": self.epoch,
-            "batches": self._done,
+            "epoch": epoch,
+            "batches": batches,
             "batch_size": self.batch_size,
             "seed": self.seed if self.seed is not None else self._iteration_seed,
             "size": list(self.crop.size) if self.crop is not None else None,
             **({"view_sizes": [list(c.size) for c, _ in self.views]} if self.views else {}),
             "sampler": (
-                self.sampler.state_dict()
-                if self.sampler is not None and hasattr(self.sampler, "state_dict")
+                sampler.state_dict()
+                if sampler is not None and hasattr(sampler, "state_dict")
                 else None
             ),
             "dataset": dataset_identity(self.dataset),
@@ -312,7 +352,10 @@ class BatchLoader:
         The state must be of this run: the same batch size, seed (unless this loader's is
         None: it takes the state's), dataset (the same records: the cache generation the state
         was saved over, or a copy of it) and order (``shuffle``, or the sampler's class and
-        settings). A state saved by an older mmcache, which recorded no dataset and order, is
+        settings). A cache refreshed since (made from the same source with the same options:
+        ``mmcache build`` before each run) is accepted with a ``UserWarning``: the epoch goes on
+        from the state's batch in the refreshed cache's order, so it may repeat or skip a few
+        images. A state saved by an older mmcache, which recorded no dataset and order, is
         accepted with a ``UserWarning`` saying they were not checked.
 
         Raises:
@@ -446,7 +489,7 @@ class BatchLoader:
         shape = self.shape
         if self._ring is None or self._ring.shape != shape:
             self._ring = None  # the old ring's memory goes before the new one is made
-            slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
+            slots = self.prefetch + 2 if self.device.type == "cpu" else self.num_threads
             reader = self.dataset.reader
             self._ring = Ring(
                 slots,
@@ -466,7 +509,7 @@ class BatchLoader:
         shapes = self.shapes
         if self._view_rings is None or [r.shape for r in self._view_rings] != shapes:
             self._view_rings = None  # the old rings' memory goes before the new ones are made
-            slots = self.prefetch + 1 if self.device.type == "cpu" else self.num_threads
+            slots = self.prefetch + 2 if self.device.type == "cpu" else self.num_threads
             normalize = self.normalize if self.device.type == "cpu" else None
             self._view_rings = [
                 Ring(slots, self.batch_size, shape, self.pin_memory, normalize,
@@ -482,6 +525,10 @@ class BatchLoader:
         previous = self._live() if self._live is not None else None
         if previous is not None:
             previous.close(f"{type(self).__name__}: a newer iteration of this loader started")
+        if not self._epoch_set:
+            self._next_epoch()
+        self._epoch_set = False
+        self._sampler_epoch = getattr(self.sampler, "epoch", None)
         seed = self.seed
         if seed is None:  # a fresh seed per iteration, unless one is being resumed
             if not self._start or self._iteration_seed is None:
@@ -495,12 +542,12 @@ class BatchLoader:
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = Iteration(self._job(order, ahead, seed), start, self.num_threads, self._taken)
-        self._done = start
+        self._done, self._over = start, False
         self._live = weakref.ref(it)
         return it
 
-    def _taken(self, batches: int) -> None:
-        self._done = batches
+    def _taken(self, batches: int, over: bool) -> None:
+        self._done, self._over = batches, over
 
     def _job(self, order: np.ndarray, read_ahead: Any, seed: int) -> Job:
         """What the filling threads of an iteration over ``order`` read."""
@@ -513,8 +560,9 @@ class BatchLoader:
         return Job(
             order=order,
             batch_size=self.batch_size,
-            # CPU: prefetch batches ahead of the one held, so prefetch + 1 slots; CUDA: each
-            # thread reuses its own pinned slot, the ready device batches are bounded instead.
+            # CPU: prefetch batches ahead of the one held, so prefetch + 2 slots (see Job);
+            # CUDA: each thread reuses its own pinned slot, the ready device batches are
+            # bounded instead.
             ahead=self.prefetch,
             ring=rings[0] if rings is not None else self._buffers(),
             device=self.device,

@@ -33,6 +33,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
 from .errors import StateMismatchError
 from .residency import memory
@@ -140,11 +141,22 @@ class QuasiRandomSampler(Sampler[int]):
         # taken epoch stays at its first position: its taker tracks it, as BatchLoader does).
         self._position = 0
         self.prefetch = prefetch
+        # Iterating gives epoch self.epoch (set_epoch, load_state_dict, or none yet), else
+        # the one after the last iteration's.
+        self._epoch_set = True
+        self._over = False  # the last iteration ran to its end
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` (call before each epoch; every rank with the same one)."""
+        """Use the order of ``epoch`` (call before each epoch; every rank with the same one).
+
+        Without it, each new iteration starts the epoch after the last one's (as
+        ``torch.utils.data.RandomSampler`` reshuffles on every ``iter()``); with it, iterating
+        gives epoch ``epoch`` however often it is called. (Loaders that take the order with
+        ``take_epoch`` set the epoch themselves.)
+        """
         self.epoch = epoch
         self.start = self._position = 0
+        self._epoch_set = True
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this sampler is in its epoch, as plain JSON-serialisable data: the epoch, the
@@ -168,10 +180,13 @@ class QuasiRandomSampler(Sampler[int]):
                 DeprecationWarning,
                 stacklevel=2,
             )
+        epoch, start = self.epoch, int(consumed) if consumed is not None else self._position
+        if self._over and not self._epoch_set:
+            epoch, start = epoch + 1, 0  # over: iterating again would start the next epoch
         return {
-            "epoch": self.epoch,
+            "epoch": epoch,
             "seed": self.seed,
-            "start": int(consumed) if consumed is not None else self._position,
+            "start": start,
             "dataset": dataset_identity(self.data_source),
             "order": order_identity(self),
         }
@@ -239,7 +254,7 @@ class QuasiRandomSampler(Sampler[int]):
         at once; like iterating, it ends a resumed epoch's offset.
         """
         order, starts = self._epoch()
-        skip, self.start = self.start, 0
+        skip, self.start, self._over = self.start, 0, False
         self._position = skip
         if skip:  # a resumed epoch: from position ``skip`` of its order
             order, starts = order[skip:], np.unique(np.maximum(starts - skip, 0))
@@ -248,9 +263,13 @@ class QuasiRandomSampler(Sampler[int]):
         return order, ReadAhead(*self._layout, order, starts)
 
     def __iter__(self) -> Iterator[int]:
+        if not self._epoch_set:
+            self.set_epoch(self.epoch + 1)
+        self._epoch_set = False
         order, ahead = self.take_epoch()
         if ahead is None:
             yield from self._counted(order.tolist())
+            self._over = True
             return
         with ahead:
             bounds = [*ahead.starts, len(order)]
@@ -258,6 +277,7 @@ class QuasiRandomSampler(Sampler[int]):
                 ahead.reached(a)
                 ahead.wait(a)
                 yield from self._counted(order[a:z].tolist())
+        self._over = True
 
     def _counted(self, indices: list[int]) -> Iterator[int]:
         """``indices``, each counted into the position ``state_dict`` records as it is yielded."""
@@ -276,6 +296,10 @@ def dataset_identity(data_source: Sized) -> dict[str, Any]:
         m = data_source.manifest
         identity["generation"] = m.generation
         identity["index_crc32"] = (m.checksums or {}).get("index")
+        # What a refresh keeps: the source and options (a refreshed cache goes on, see
+        # check_resume).
+        identity["source"] = recorded_source(m)
+        identity["options"] = m.options
     return identity
 
 
@@ -312,6 +336,16 @@ def check_resume(owner: str, state: dict[str, Any], current: dict[str, Any]) -> 
         saved = state.get(key, value)
         if key == "dataset" and _same_records(saved, value):
             continue
+        if key == "dataset" and _refreshed(saved, value):
+            warnings.warn(
+                f"{owner}.load_state_dict: the cache was refreshed since the state was saved "
+                f"({saved.get('images')} images, now {value.get('images')}): going on from the "
+                "state's epoch and position in the refreshed cache's order, so the rest of this "
+                "epoch may repeat or skip a few images; the epochs after it are whole",
+                UserWarning,
+                stacklevel=3,
+            )
+            continue
         if saved != value:
             raise StateMismatchError(
                 f"{owner}.load_state_dict: the state was saved with another {key} "
@@ -336,6 +370,14 @@ def _same_records(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     if saved.get("index_crc32") is not None and current.get("index_crc32") is not None:
         return saved["index_crc32"] == current["index_crc32"]
     return saved.get("generation") == current.get("generation")
+
+
+def _refreshed(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two dataset identities are generations of one cache, refreshed in between
+    (``mmcache build`` before each run): the same source and options."""
+    return saved.get("source") is not None and all(
+        saved.get(key) == current.get(key) for key in ("source", "options")
+    )
 
 
 def _show(key: str, value: Any) -> str:

@@ -247,10 +247,13 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     for (a, la), (b, lb) in zip(rest, whole[5:]):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # a BatchLoader over the same sampler resumes the same way
+    full = epoch(BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32)))
     batch_loader = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
-    full = epoch(batch_loader)
+    it = iter(batch_loader)
+    for _ in range(5):
+        next(it)
     state = batch_loader.state_dict()
-    state["batches"] = 5
+    it.close()
     again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
     again.load_state_dict(json.loads(json.dumps(state)))
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
@@ -289,8 +292,8 @@ def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds)
     for e, size in enumerate([24, 24, 32, 32, 24]):
         crop.size = size
         loader.set_epoch(e)
-        batches = list(loader)
-        assert all(images.shape[1:3] == (size, size) for images, _ in batches)
+        for images, _ in loader:  # dropped each step: the ring's buffers are reused
+            assert images.shape[1:3] == (size, size)
         pointers.append(loader._ring.images[0].data_ptr())
     assert pointers[0] == pointers[1] and pointers[2] == pointers[3]
     assert pointers[1] != pointers[2]
@@ -308,7 +311,7 @@ def test_no_pixel_buffer_is_allocated_per_batch(ds):
         after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
-    assert len(pointers) <= loader.prefetch + 1  # the ring's slots, over and over
+    assert len(pointers) <= loader.prefetch + 2  # the ring's slots, over and over
     grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
     batch_bytes = 4 * 64 * 64 * 3
     assert grown < batch_bytes  # bookkeeping only, never a batch's worth of pixels
@@ -322,6 +325,7 @@ def test_normalised_batches_on_the_cpu(ds):
             ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32), normalize=(mean, std),
             dtype=dtype, channels_last=channels_last,
         )  # fmt: skip
+        plain.set_epoch(0)
         for (u8, _), (x, _) in zip(epoch(plain), epoch(normed)):
             assert x.dtype == dtype and x.shape == (len(u8), 3, 32, 32)
             assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
