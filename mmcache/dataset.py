@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from ._records import RecordReader, open_reader
 from ._staleness import (
     SOURCE_CHECKS,
     rebuild_advice,
+    recorded_source,
     rescan,
     same_options,
     same_source,
@@ -49,7 +50,7 @@ from .errors import (
 )
 from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source
-from .transforms import leading_crop
+from .transforms import UpscaleCause, crops_in, leading_crop
 
 __all__ = ["MemmapImageDataset"]
 
@@ -184,6 +185,7 @@ class MemmapImageDataset(Dataset):
         files = self._open(source, Options(**options), on_stale, replace, source_moved)
         self.generation = files.manifest.generation
         self._attach(files)
+        self.warn_if_upscaling(crops_in(transform), stacklevel=2)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _open(
@@ -234,6 +236,40 @@ class MemmapImageDataset(Dataset):
             raise CacheStaleError(message)
         warnings.warn(message, StaleCacheWarning, stacklevel=3)
         return files
+
+    def warn_if_upscaling(self, crops: Sequence[Any], stacklevel: int = 1) -> None:
+        """Warn, once per crop and output size, of ``crops`` (mmcache's) that upscale stored
+        images, saying whether this cache's size option or the source made them that small
+        (a ``UserWarning``). Called here, in the process that makes the dataset or loader, it
+        marks the crops warned: DataLoader workers, forked or spawned, inherit the mark and
+        do not warn again, each their own."""
+        cause = self._upscale_cause()
+        for crop in crops:
+            crop.warn_if_upscaling(self.reader.records.shapes, cause, stacklevel=stacklevel + 1)
+
+    def _upscale_cause(self) -> UpscaleCause:
+        m = self.manifest
+        options = Options.from_json(m.options)
+        hw = self.reader.records.shapes[:, :2]
+        if options.size is not None:
+            sized = np.ones(len(hw), bool)
+        elif options.short_side is not None:  # never enlarged: at the side, it was shrunk
+            sized = hw.min(axis=1) >= options.short_side
+        elif options.max_side is not None:
+            sized = hw.max(axis=1) >= options.max_side
+        else:
+            sized = np.zeros(len(hw), bool)
+
+        def rebuild(short_side: int) -> str:
+            wanted = replace(options, size=None, max_side=None, short_side=short_side)
+            if m.mode == "lazy":
+                return f"make it again with short_side={short_side} and replace=True"
+            command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
+            return f"rebuild it with `{command}`"
+
+        size_option = Options(size=options.size, max_side=options.max_side,
+                              short_side=options.short_side)  # fmt: skip
+        return UpscaleCause(sized, size_option.flags(), rebuild)
 
     def _refresh(
         self, files: fmt.CacheFiles, listing: Listing | None, options: Options | None

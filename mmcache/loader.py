@@ -35,7 +35,6 @@ import secrets
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -53,11 +52,8 @@ from ._batches import (
     random_reader,
 )
 from ._feedback import count
-from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
-from .decode import Options
 from .errors import MixedShapesError, StateMismatchError
-from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
 from .transforms import expand_views
@@ -488,10 +484,7 @@ class BatchLoader:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
         crops = [self.crop] if self.views is None else [c for c, _ in self.views]
-        for crop in crops:
-            if hasattr(crop, "warn_if_upscaling"):  # once per size: a cache built too small?
-                advice = _upscale_advice(self.dataset.manifest, crop.short_side_needed())
-                crop.warn_if_upscaling(self.dataset.reader.records.shapes, advice, stacklevel=2)
+        self.dataset.warn_if_upscaling(crops, stacklevel=2)  # once per size
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = Iteration(self._job(order, ahead, seed), start, self.num_threads, self._taken)
@@ -533,27 +526,6 @@ class BatchLoader:
             view_rings=rings,
             params=self._params if self.return_params else None,
         )
-
-
-def _upscale_advice(m: Manifest, short_side: int) -> str:
-    """What to do about crops that upscale the images of cache ``m``: make it again at
-    ``short_side`` if its own size option shrank them, else crop smaller."""
-    try:
-        options = Options.from_json(m.options)
-    except (TypeError, ValueError):
-        options = Options()
-    if all(getattr(options, name) is None for name in ("size", "max_side", "short_side")):
-        return "the cache holds the source images' sizes: crop smaller, or accept the upscaling"
-    wanted = replace(options, size=None, max_side=None, short_side=short_side)
-    if m.mode == "lazy":
-        how = f"make it again with short_side={short_side} and replace=True"
-    else:
-        command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
-        how = f"rebuild it with `{command}`"
-    return (
-        f"the cache was made with {options.flags()}: {how} (images smaller in the source stay "
-        "as they are), or crop smaller"
-    )
 
 
 def _channels(dataset: MemmapImageDataset) -> int:

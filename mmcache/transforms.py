@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cv2
@@ -107,6 +108,40 @@ def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
     return interpolation_name(interpolation, what, stacklevel=4), bool(antialias)
 
 
+@dataclass(frozen=True)
+class UpscaleCause:
+    """What a cache's size option did to its images, for the upscale warning."""
+
+    sized: np.ndarray  # per record: True where the option set its stored size (shrank it)
+    flags: str  # the option, as ``mmcache build`` flags ("--short-side 256"), or ""
+    rebuild: Callable[[int], str]  # how to make the cache again at a shorter side
+
+
+def _upscale_cause(small: np.ndarray, needed: int, cache: UpscaleCause | None) -> str:
+    """Why the ``small`` images (a mask over the records) are small, and what would help."""
+    if cache is None:  # an image alone: nothing is known of where it comes from
+        return ""
+    if not cache.flags:
+        return (
+            "the cache holds the source images' sizes: they are that small in the source "
+            "(crop smaller, or accept the upscaling)"
+        )
+    by_cache = int(np.count_nonzero(small & cache.sized))
+    by_source = int(np.count_nonzero(small)) - by_cache
+    parts = []
+    if by_cache:
+        parts.append(
+            f"{by_cache} of them the cache's {cache.flags} made that small: "
+            f"{cache.rebuild(needed)}, or crop smaller"
+        )
+    if by_source:
+        parts.append(
+            f"{by_source} of them are that small in the source ({cache.flags} never enlarges; "
+            "a rebuild would not change them)"
+        )
+    return "; ".join(parts)
+
+
 class _Crop:
     """What the crops share: an output size (settable between epochs) and an interpolation."""
 
@@ -122,37 +157,34 @@ class _Crop:
         return min(self.size)
 
     def warn_if_upscaling(
-        self, shapes: np.ndarray, advice: str | None = None, stacklevel: int = 2
+        self, shapes: np.ndarray, cache: UpscaleCause | None = None, stacklevel: int = 2
     ) -> None:
         """Warn (``UserWarning``, once per output size) if any of the images of ``shapes``
-        (rows of height, width, ...) is too small for this crop's output: see the module
-        docstring. ``advice``: what to do, for the cache the images come from (by default,
-        what to do if it was built too small). ``BatchLoader`` calls it with its cache's shapes
-        at each iteration."""
+        (rows of height, width, ...) is too small for this crop's output: which, by how much,
+        and (given ``cache``, what the cache's size option did to them) whether the cache or
+        the source is the cause, with a rebuild command only where a rebuild helps. See the
+        module docstring. ``MemmapImageDataset`` and ``BatchLoader`` call it with their cache."""
         if self._upscale_warned == self.size or not len(shapes):
             return
         shorter = np.asarray(shapes)[:, :2].min(axis=1)
         needed = self.short_side_needed()
-        small = int(np.count_nonzero(shorter < needed))
-        if not small:
+        small = shorter < needed
+        if not small.any():
             return
         self._upscale_warned = self.size
         h, w = self.size
+        smallest = int(shorter.min())
+        factor = f"{needed / smallest:.3g}x"
         if len(shorter) == 1:
-            which = f"an image of shorter side {int(shorter[0])}, under {needed}, is"
+            facts = f"an image of shorter side {smallest}, under {needed}, is upscaled {factor}"
         else:
-            which = (
-                f"{small} of {len(shorter)} stored images have a shorter side under {needed} "
-                f"(the smallest: {int(shorter.min())}), so they are"
+            facts = (
+                f"{int(small.sum())} of {len(shorter)} stored images have a shorter side under "
+                f"{needed} (the smallest: {smallest}): upscaled up to {factor}"
             )
-        if advice is None:
-            advice = (
-                "if the cache was built with a smaller --short-side (or --max-side, --size), "
-                f"rebuild it with `mmcache build SOURCE CACHE --short-side {needed} --replace`; "
-                "else the source images are that small: crop smaller, or accept the upscaling"
-            )
+        cause = _upscale_cause(small, needed, cache)
         warnings.warn(
-            f"{type(self).__name__}({h}x{w}): {which} upscaled to {h}x{w}; {advice}",
+            f"{type(self).__name__}({h}x{w}): {facts}" + (f"; {cause}" if cause else ""),
             UserWarning,
             stacklevel=stacklevel + 1,
         )
@@ -486,6 +518,18 @@ class MultiCrop:
                 cv2.flip(out, 1, dst=out)
             views.append(out)
         return views
+
+
+def crops_in(transform: Any) -> list[Any]:
+    """This module's crops that ``transform`` applies: itself, those of a ``Compose`` (nested
+    too), a ``MultiCrop``'s views."""
+    if isinstance(transform, _Crop):
+        return [transform]
+    if isinstance(transform, MultiCrop):
+        return list(dict.fromkeys(transform.crops))
+    if isinstance(transform, Compose):
+        return [crop for t in transform.transforms for crop in crops_in(t)]
+    return []
 
 
 def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:

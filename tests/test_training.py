@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from mmcache import (
     BatchLoader,
     CenterResizedCrop,
+    Compose,
     MemmapImageDataset,
     MixedShapesError,
     QuasiRandomSampler,
@@ -262,8 +263,8 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
         list(loader)
     assert [str(w.message) for w in caught] == [
         "RandomResizedCrop(64x64): 24 of 60 stored images have a shorter side under 64 (the "
-        "smallest: 50), so they are upscaled to 64x64; the cache holds the source images' "
-        "sizes: crop smaller, or accept the upscaling"
+        "smallest: 50): upscaled up to 1.28x; the cache holds the source images' sizes: they "
+        "are that small in the source (crop smaller, or accept the upscaling)"
     ]
     list(loader)  # once: the next epoch says nothing (pytest makes warnings errors)
     # a cache built too small: the warning gives the command that rebuilds it, which works
@@ -274,12 +275,47 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
     command = f"mmcache build {src} {small} --short-side 48 --replace"
     assert str(caught[0].message) == (
         "CenterResizedCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the "
-        "smallest: 40), so they are upscaled to 42x42; the cache was made with --short-side 40: "
-        f"rebuild it with `{command}` (images smaller in the source stay as they are), or crop "
-        "smaller"
+        "smallest: 40): upscaled up to 1.2x; 60 of them the cache's --short-side 40 made that "
+        f"small: rebuild it with `{command}`, or crop smaller"
     )
     assert cli.main(command.split()[1:]) == 0
     list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterResizedCrop(42)))
+
+
+def test_the_upscale_warning_blames_small_sources_not_the_cache_and_says_it_once(tmp_path, capfd):
+    # a --short-side 256 cache whose small sources (90, 100 px) upscale: the cause is the
+    # source, and rebuilding at --short-side 112 (shrinking every image) or 256 (the option the
+    # cache already has) would not help, so no command is advised
+    sizes = [(300, 280), (90, 100), (400, 300), (260, 600), (100, 120)]
+    src = make_folder(tmp_path / "src", {"a": sizes})
+    build_cache(src, tmp_path / "c", short_side=256, workers=1)
+    for crop, needed in [(RandomResizedCrop(112), 112), (CenterResizedCrop(224), 256)]:
+        with pytest.warns(UserWarning) as caught:
+            MemmapImageDataset(tmp_path / "c", transform=Compose([crop]))
+        assert [str(w.message) for w in caught] == [
+            f"{type(crop).__name__}({crop.size[0]}x{crop.size[1]}): 2 of 5 stored images have a "
+            f"shorter side under {needed} (the smallest: 90): upscaled up to "
+            f"{needed / 90:.3g}x; 2 of them are that small in the source (--short-side 256 "
+            "never enlarges; a rebuild would not change them)"
+        ]
+    # a crop larger than the cache's side: the 3 images it shrank can be rebuilt larger
+    with pytest.warns(UserWarning) as caught:
+        MemmapImageDataset(tmp_path / "c", transform=CenterResizedCrop(280))
+    command = f"mmcache build {src} {tmp_path / 'c'} --short-side 320 --replace"
+    assert str(caught[0].message).endswith(
+        f"3 of them the cache's --short-side 256 made that small: rebuild it with `{command}`, "
+        "or crop smaller; 2 of them are that small in the source (--short-side 256 never "
+        "enlarges; a rebuild would not change them)"
+    )
+    # warned in the parent as the dataset is made; its DataLoader workers, forked or spawned,
+    # say nothing more (a forked worker inherits pytest's warnings-are-errors; a spawned one
+    # would print it to the stderr it shares)
+    with pytest.warns(UserWarning, match="upscaled"):
+        ds = MemmapImageDataset(tmp_path / "c", transform=RandomResizedCrop(112))
+    for context in ("fork", "spawn"):
+        loader = DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context=context)
+        assert next(iter(loader))[0].shape == (5, 112, 112, 3)
+        assert "upscaled" not in capfd.readouterr().err
 
 
 def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
