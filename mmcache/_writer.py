@@ -217,6 +217,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     m = s.previous.manifest
     report = current_report(s.previous)
     report.ignored = list(s.listing.ignored)
+    report.other_files = dict(s.listing.other_files)
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
@@ -554,6 +555,7 @@ def _finish_report(
         removed=removed,
         changed=changed,
         ignored=list(listing.ignored),
+        other_files=dict(listing.other_files),
         trusted_decoder=g.reused > 0 and s.wanted != s.current,
         skipped=skipped,
         warnings=warnings,

@@ -246,9 +246,19 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
+def _ignored_files(by_extension: dict[str, int], most: int = 5) -> str:
+    """``"5 files ignored (not images): .txt (3), .xml (2)"``, the commonest extensions."""
+    shown = [f"{ext or '(no extension)'} ({n})" for ext, n in list(by_extension.items())[:most]]
+    more = ", ..." if len(by_extension) > most else ""
+    total = count(sum(by_extension.values()), "file")
+    return f"{total} ignored (not images by their extension): {', '.join(shown)}{more}"
+
+
 def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     for folder in report.ignored:
         out(f"  ignored {_one_line(folder)}/ in the source: it holds an mmcache cache")
+    if report.other_files:
+        out(f"  {_ignored_files(report.other_files)}")
     images = count(report.images, "image")
     pending = f", {count(report.pending, 'record')} to fill on first read" if report.pending else ""
     if report.up_to_date:

@@ -185,7 +185,7 @@ class MemmapImageDataset(Dataset):
         files = self._open(source, Options(**options), on_stale, replace, source_moved)
         self.generation = files.manifest.generation
         self._attach(files)
-        self.warn_if_upscaling(crops_in(transform), stacklevel=2)
+        self.warn_if_upscaling([transform], stacklevel=2)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _open(
@@ -237,13 +237,15 @@ class MemmapImageDataset(Dataset):
         warnings.warn(message, StaleCacheWarning, stacklevel=3)
         return files
 
-    def warn_if_upscaling(self, crops: Sequence[Any], stacklevel: int = 1) -> None:
-        """Warn, once per crop and output size, of ``crops`` (mmcache's) that upscale stored
-        images, saying whether this cache's size option or the source made them that small
+    def warn_if_upscaling(self, transforms: Sequence[Any], stacklevel: int = 1) -> None:
+        """Warn, once per crop and output size, of mmcache's crops in ``transforms`` (crops,
+        ``Compose``, ``MultiCrop``; anything else, None included, is passed over) that upscale
+        stored images, saying whether this cache's size option or the source made them that small
         (a ``UserWarning``). Called here, in the process that makes the dataset or loader, it
         marks the crops warned: DataLoader workers, forked or spawned, inherit the mark and
         do not warn again, each their own."""
-        cause = self._upscale_cause()
+        crops = [crop for t in transforms for crop in crops_in(t)]
+        cause = self._upscale_cause() if crops else None
         for crop in crops:
             crop.warn_if_upscaling(self.reader.records.shapes, cause, stacklevel=stacklevel + 1)
 

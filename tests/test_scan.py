@@ -199,3 +199,33 @@ def test_a_folder_linked_into_another_class_is_said_for_each_file(tmp_path):
     write_image(tmp_path / "dog" / "c.jpg", 8, 8)
     os.symlink("../cat", tmp_path / "dog" / "cats")
     assert [w["path"] for w in scan_source(tmp_path).warnings] == ["dog/cats/a.jpg"]
+
+
+def test_netpbm_images_are_read_and_other_files_are_counted_by_extension(tmp_path, capsys):
+    # GTSRB ships .ppm: torchvision's IMG_EXTENSIONS (with .pgm), and OpenCV's .pbm, are
+    # images; a folder of only those is a class, and its other files are counted in one line
+    import cv2
+    import numpy as np
+
+    from mmcache import MemmapImageDataset, build_cache, cli
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "src" / "00000"
+    folder.mkdir(parents=True)
+    for ext in (".ppm", ".pgm", ".pbm"):
+        img = rng.integers(0, 2, (9, 7, 3), dtype=np.uint8) * 255
+        ok, buf = cv2.imencode(ext, img if ext == ".ppm" else img[:, :, 0])
+        (folder / f"img{ext}").write_bytes(buf.tobytes())
+    for name in ("GT.csv", "notes.txt", "more.txt", "README"):
+        (folder / name).write_text("x")
+    listing = scan_source(tmp_path / "src")
+    assert listing.paths == ["00000/img.pbm", "00000/img.pgm", "00000/img.ppm"]
+    assert listing.other_files == {".txt": 2, "": 1, ".csv": 1}
+    assert build_cache(tmp_path / "src", tmp_path / "c", workers=1).other_files == listing.other_files
+    ds = MemmapImageDataset(tmp_path / "c")
+    for (path, _), (image, _) in zip(ds.samples, ds):
+        assert np.array_equal(image, cv2.imread(path)[:, :, ::-1])
+    assert cli.main(["build", str(tmp_path / "src"), str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "  4 files ignored (not images by their extension): .txt (2), (no extension) (1), .csv (1)"
+    )
