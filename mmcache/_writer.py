@@ -63,6 +63,7 @@ from .annotations import annotate, carry_user_fields, recorded_annotations
 from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
 from .errors import (
     CacheFormatError,
+    DestinationError,
     OptionsChangedError,
     SourceChangedError,
     SourceError,
@@ -129,6 +130,9 @@ class Session:
     current: dict[str, str]
     wanted: dict[str, str]
     stamps: dict[str, Any] | None = None  # what the quick open-time check compares
+    # Why the folder cannot be written (a read-only mount), else None: such a session may
+    # only find the cache up to date.
+    read_only: DestinationError | None = None
 
     @property
     def lazy(self) -> bool:
@@ -150,7 +154,15 @@ def session(request: BuildRequest) -> Iterator[Session]:
     # When a listing is given its scan time is unknown: no stamps, the quick check scans.
     stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
     folder = Path(request.cache).expanduser().absolute()
-    created = prepare_folder(folder)
+    try:
+        created = prepare_folder(folder)
+    except DestinationError as e:
+        previous = open_existing(folder) if folder.is_dir() else None
+        if previous is None:
+            raise
+        # A read-only mount of a cache: readable without the lock, which no writer can take.
+        yield read_only_session(request, listing, previous, stamps, e)
+        return
     try:
         with writer_lock(folder):
             previous = open_existing(folder)
@@ -174,6 +186,24 @@ def session(request: BuildRequest) -> Iterator[Session]:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def read_only_session(
+    request: BuildRequest,
+    listing: Listing,
+    previous: fmt.CacheFiles,
+    stamps: dict[str, Any] | None,
+    why: DestinationError,
+) -> Session:
+    """The session of a build over a cache whose folder cannot be written (``why``)."""
+    if not request.replace:
+        if not request.source_moved:
+            refuse_other_source(previous.manifest, listing)
+        refuse_other_options(previous.manifest, request.options)
+    current = fingerprints(listing, request.options)
+    wanted = to_match(previous.manifest, current, request.trust_decoder)
+    folder = Path(request.cache).expanduser().absolute()
+    return Session(request, listing, folder, previous, current, wanted, stamps, why)
 
 
 def refuse_other_source(m: fmt.Manifest, listing: Listing) -> None:
@@ -211,8 +241,14 @@ def refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
 
 
 def up_to_date_report(s: Session) -> BuildReport | None:
-    """The report of a build that has nothing to do, or None if the cache must be (re)built."""
+    """The report of a build that has nothing to do, or None if the cache must be (re)built.
+
+    Raises:
+        DestinationError: the cache must be rebuilt, and its folder cannot be written.
+    """
     if s.previous is None or not is_current(s.previous, s.listing, s.wanted, s.lazy):
+        if s.read_only is not None:
+            raise DestinationError(f"{s.read_only} and the cache there is not up to date")
         return None
     m = s.previous.manifest
     report = current_report(s.previous)
@@ -226,7 +262,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
         m.extra["source_stamps"] = s.stamps
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
-    if report.trusted_decoder or stale_stamps:
+    if (report.trusted_decoder or stale_stamps) and s.read_only is None:
         write_manifest(m)
     return report
 

@@ -49,7 +49,7 @@ from .errors import (
     StaleCacheWarning,
 )
 from .residency import WarmReport, start_warming
-from .scan import Listing, scan_source
+from .scan import Listing, scan_source, source_exists
 from .transforms import UpscaleCause, crops_in, leading_crop
 
 __all__ = ["MemmapImageDataset"]
@@ -95,7 +95,7 @@ class MemmapImageDataset(Dataset):
             the source folder) or ``"refresh"`` (bring the cache up to date now: a built cache
             is rebuilt, decoding only new and modified files; a lazy cache gets a new generation
             keeping the filled records of unchanged files). A source that is not there (a copied
-            cache) is not checked.
+            cache) is not checked, except that ``"error"`` raises ``CacheStaleError`` naming it.
         source: the image folder or ``path,label`` list: enables lazy mode.
         on_bad: a file that cannot be cached (undecodable, over ``max_pixels``, changed since it
             was listed, or decoding to another size than its header says): ``"raise"`` a
@@ -226,6 +226,13 @@ class MemmapImageDataset(Dataset):
         assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
+        recorded = recorded_source(files.manifest)
+        if on_stale == "error" and recorded and not source_exists(recorded):
+            raise CacheStaleError(
+                f"{self.cache}: on_stale='error' cannot check the cache: its source {recorded} "
+                "is not there (unmounted, moved or mistyped?); mount it, or open the cache with "
+                "on_stale='ignore' (a copy used without its source)"
+            )
         reason = stale_reason(files, listing, quick=self.source_check == "quick")
         if reason is None:
             return files

@@ -221,7 +221,8 @@ def test_netpbm_images_are_read_and_other_files_are_counted_by_extension(tmp_pat
     listing = scan_source(tmp_path / "src")
     assert listing.paths == ["00000/img.pbm", "00000/img.pgm", "00000/img.ppm"]
     assert listing.other_files == {".txt": 2, "": 1, ".csv": 1}
-    assert build_cache(tmp_path / "src", tmp_path / "c", workers=1).other_files == listing.other_files
+    report = build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    assert report.other_files == listing.other_files
     ds = MemmapImageDataset(tmp_path / "c")
     for (path, _), (image, _) in zip(ds.samples, ds):
         assert np.array_equal(image, cv2.imread(path)[:, :, ::-1])
