@@ -114,6 +114,17 @@ class BuildRequest:
     coco: str | os.PathLike | None = None
     fields: Mapping[str, Mapping[str, Any]] | None = None
 
+    def __post_init__(self) -> None:
+        workers = self.workers
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
+        ):  # (0: decode in this process)
+            raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+        if not 0 < self.compact_at <= 1:
+            raise ValueError(
+                f"compact_at must be a share of the data file in (0, 1], got {self.compact_at!r}"
+            )
+
 
 @dataclass
 class Session:

@@ -15,6 +15,7 @@ import codecs
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -130,6 +131,17 @@ def _height_width(text: str) -> tuple[int, int]:
     """argparse type of ``--image-size WxH``: the Python API's (height, width)."""
     width, height = _size(text)
     return height, width
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of a duration: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -886,7 +898,7 @@ def _add_build(cmds: _Commands) -> None:
     )
     b.add_argument(
         "--dist-timeout",
-        type=float,
+        type=_positive_seconds,
         default=DIST_TIMEOUT,
         metavar="SECONDS",
         help="under torchrun: how long a rank waits for the others before the build fails "

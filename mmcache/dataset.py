@@ -21,9 +21,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from . import format as fmt
@@ -321,6 +322,11 @@ class MemmapImageDataset(Dataset):
         return len(self.reader)
 
     def _checked(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer):
+            if not (isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+                raise TypeError(f"dataset indices are ints, got {type(i).__name__}")
+            i = int(i)  # a sampler's 0-d integer tensor
+        i = int(i)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for {n} images")
@@ -364,7 +370,16 @@ class MemmapImageDataset(Dataset):
                 return j, stored
         raise DecodeError(f"{self.cache}: no image of the cache can be read")
 
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
+    @overload
+    def __getitem__(self, i: int) -> tuple[Any, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[Any, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[Any, Any] | list[tuple[Any, Any]]:
+        """Sample ``i``: ``(image, label)`` (or ``(image, target)``), through the transforms;
+        a slice gives the list of its samples, as a list's slice does."""
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
         i = self._checked(i)
         reader = self.reader
         stored = reader.stored_or_none(i)

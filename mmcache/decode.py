@@ -104,6 +104,12 @@ class Options:
             object.__setattr__(self, "max_pixels", DEFAULT_MAX_PIXELS)
         if sum(x is not None for x in (self.size, self.max_side, self.short_side)) > 1:
             raise ValueError("choose at most one of size, max_side and short_side")
+        if isinstance(self.size, int | np.integer):  # a square? or the shorter side?
+            n = int(self.size)
+            raise TypeError(
+                f"size must be (height, width) of positive ints, got {n}: for a square write "
+                f"size=({n}, {n}), to keep the aspect ratio use short_side={n}"
+            )
         if self.size is not None:
             size = tuple(int(v) for v in self.size)
             if len(size) != 2 or min(size) < 1:

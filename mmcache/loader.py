@@ -31,6 +31,7 @@ by one.
 
 from __future__ import annotations
 
+import os
 import secrets
 import warnings
 import weakref
@@ -39,6 +40,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.data import Subset
 
 from ._batches import (
     Iteration,
@@ -183,6 +185,11 @@ class BatchLoader:
         views: Sequence[tuple[Any, int]] | None = None,
         return_params: bool = False,
     ) -> None:
+        check_dataset(dataset)
+        for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
+                            ("prefetch", prefetch)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if read not in ("auto", "mmap", "pread"):
             raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
         if batch_size < 1 or num_threads < 1 or prefetch < 1:
@@ -526,6 +533,24 @@ class BatchLoader:
             view_rings=rings,
             params=self._params if self.return_params else None,
         )
+
+
+def check_dataset(dataset: Any) -> None:
+    """TypeError unless ``dataset`` is a ``MemmapImageDataset``, saying what to pass instead."""
+    if isinstance(dataset, MemmapImageDataset):
+        return
+    if isinstance(dataset, Subset):
+        raise TypeError(
+            "BatchLoader reads a MemmapImageDataset's records itself, not a Subset: pass the "
+            "dataset and its indices as sampler=[0, 1, ...] (or a sampler of them), e.g. "
+            "BatchLoader(subset.dataset, 256, sampler=subset.indices)"
+        )
+    if isinstance(dataset, str | os.PathLike):
+        raise TypeError(
+            f"BatchLoader takes a dataset, not a path: BatchLoader(MemmapImageDataset("
+            f"{os.fspath(dataset)!r}), ...)"
+        )
+    raise TypeError(f"BatchLoader takes a MemmapImageDataset, got {type(dataset).__name__}")
 
 
 def _channels(dataset: MemmapImageDataset) -> int:

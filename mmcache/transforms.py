@@ -91,12 +91,15 @@ DRAWS = 2 * TRIES + 3
 
 def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     """torchvision's convention: an int is a square, a pair is (height, width)."""
+    what = f"size must be an int or (height, width) of positive ints, got {size!r}"
     if isinstance(size, int | np.integer):
         pair: tuple[int, ...] = (int(size), int(size))
-    else:
+    elif isinstance(size, Sequence) and all(isinstance(v, int | np.integer) for v in size):
         pair = tuple(int(v) for v in size)
+    else:
+        raise TypeError(what)
     if len(pair) != 2 or min(pair) < 1:
-        raise ValueError(f"size must be an int or (height, width) of positive ints, got {size!r}")
+        raise ValueError(what)
     return pair[0], pair[1]
 
 
@@ -384,6 +387,8 @@ class RandomHorizontalFlip:
     left to right with probability ``p`` (torch's generator, one number per call)."""
 
     def __init__(self, p: float = 0.5) -> None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"p must be within [0, 1], got {p!r}")
         self.p = float(p)
 
     def __call__(self, sample: Any) -> Any:
@@ -414,14 +419,36 @@ _NO_TARGET: Any = object()
 
 
 def _unpaired(sample: Any) -> tuple[np.ndarray, Any]:
-    """``(image, target)`` of an ``(image, target)`` tuple, ``(image, _NO_TARGET)`` of an image."""
+    """``(image, target)`` of an ``(image, target)`` tuple, ``(image, _NO_TARGET)`` of an image.
+
+    Raises:
+        TypeError: the image is not an H x W x C numpy array (a PIL image, a tensor).
+    """
     if not isinstance(sample, tuple):
-        return sample, _NO_TARGET
+        return _image(sample), _NO_TARGET
     if len(sample) != 2:
         raise ValueError(
             f"a transform takes an image or an (image, target) pair, got a tuple of {len(sample)}"
         )
-    return sample[0], sample[1]
+    return _image(sample[0]), sample[1]
+
+
+def _image(img: Any) -> np.ndarray:
+    """``img`` if it is what the transforms take, an H x W (x C) numpy array, else TypeError
+    saying how to give it (the transforms run before any ToTensor, on the stored arrays)."""
+    if isinstance(img, np.ndarray) and img.ndim in (2, 3):
+        return img
+    expected = "mmcache's transforms take an H x W x C numpy array (what MemmapImageDataset reads)"
+    if type(img).__module__.startswith("PIL."):
+        found = "a PIL image: np.asarray(image) gives the array"
+    elif isinstance(img, torch.Tensor):
+        found = (
+            f"a torch.Tensor of shape {tuple(img.shape)}: apply them before ToTensor, or give "
+            "tensor.permute(1, 2, 0).numpy() for a C x H x W one"
+        )
+    else:
+        found = f"{type(img).__name__} of shape {getattr(img, 'shape', None)}"
+    raise TypeError(f"{expected}, got {found}")
 
 
 # A view's parameters, as ``MultiCrop(return_params=True)`` and ``BatchLoader(return_params=True)``
@@ -494,6 +521,7 @@ class MultiCrop:
                 "MultiCrop takes an image, not an (image, target) pair: views of a cache with "
                 "masks or boxes are not supported"
             )
+        img = _image(img)
         params = []
         for crop in self.crops:
             top, left, height, width = crop.draw(*img.shape[:2])
