@@ -120,9 +120,9 @@ class BuildRequest:
             isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
         ):  # (0: decode in this process)
             raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
-        if not 0 < self.compact_at <= 1:
+        if not 0 <= self.compact_at <= 1:  # (0: compact whenever there is garbage)
             raise ValueError(
-                f"compact_at must be a share of the data file in (0, 1], got {self.compact_at!r}"
+                f"compact_at must be a share of the data file in [0, 1], got {self.compact_at!r}"
             )
 
 

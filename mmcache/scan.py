@@ -379,12 +379,12 @@ def _with_stats(
         labels=label_array,
         sizes=sizes,
         mtimes=mtimes,
-        warnings=_under_two_labels(files, paths, label_array, classes),
+        warnings=_under_two_labels(root, files, paths, label_array, classes),
     )
 
 
 def _under_two_labels(
-    files: np.ndarray, paths: list[str], labels: np.ndarray, classes: list[str]
+    root: Path, files: np.ndarray, paths: list[str], labels: np.ndarray, classes: list[str]
 ) -> list[dict[str, str]]:
     """A warning for each listed file that an earlier listed path reaches under another label:
     one image that would be trained as two classes (a link from one class folder to another)."""
@@ -403,12 +403,22 @@ def _under_two_labels(
     return [
         {
             "path": paths[b],
-            "reason": f"the same file as {paths[a]} (a link), so one image is listed under two "
+            "reason": f"{_how_one(root, paths[a], paths[b])}, so one image is listed under two "
             f"classes, {classes[labels[a]]!r} and {classes[labels[b]]!r}; both are kept, as "
             "torchvision's ImageFolder keeps them",
         }
         for a, b in sorted(found, key=lambda pair: pair[1])
     ]
+
+
+def _how_one(root: Path, first: str, second: str) -> str:
+    """How listed path ``second`` came to be the file ``first`` is: the same path listed
+    twice (in a list file), a symbolic link on the way, or a hard link."""
+    a, b = (os.path.join(root, p) for p in (first, second))
+    if os.path.normpath(a) == os.path.normpath(b):
+        return f"listed twice (as {first})" if first != second else "listed twice"
+    link = any(os.path.realpath(p) != os.path.abspath(p) for p in (a, b))
+    return f"the same file as {first} ({'a link' if link else 'a hard link'})"
 
 
 @dataclass

@@ -190,8 +190,17 @@ def test_a_file_linked_from_one_class_folder_into_another_is_listed_twice_and_sa
     assert listing.paths == ["cat/a.jpg", "cat/b.jpg", "cat/b2.jpg", "dog/a.jpg", "dog/c.jpg"]
     assert [w["path"] for w in listing.warnings] == ["dog/a.jpg"]
     reason = listing.warnings[0]["reason"]
-    assert reason.startswith("the same file as cat/a.jpg") and "'cat' and 'dog'" in reason
+    assert reason.startswith("the same file as cat/a.jpg (a link)") and "'cat' and 'dog'" in reason
     assert "\n" not in reason
+
+
+def test_a_path_listed_twice_is_said_to_be_listed_twice_not_a_link(tmp_path):
+    write_image(tmp_path / "a.jpg", 8, 8)
+    os.link(tmp_path / "a.jpg", tmp_path / "hard.jpg")
+    (tmp_path / "list.txt").write_text("a.jpg,cat\na.jpg,dog\nhard.jpg,emu\n")
+    reasons = [w["reason"] for w in scan_source(tmp_path / "list.txt").warnings]
+    assert reasons[0].startswith("listed twice, so one image is listed under two classes, 'cat'")
+    assert reasons[1].startswith("the same file as a.jpg (a hard link), so one image")
 
 
 def test_a_folder_linked_into_another_class_is_said_for_each_file(tmp_path):
