@@ -164,7 +164,7 @@ def session(request: BuildRequest) -> Iterator[Session]:
         listing.annotations = annotate(listing, request.masks, request.coco, request.fields)
     # When a listing is given its scan time is unknown: no stamps, the quick check scans.
     stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
-    folder = Path(request.cache).expanduser().absolute()
+    folder = fmt.cache_folder(request.cache)
     try:
         created = prepare_folder(folder)
     except DestinationError as e:
@@ -213,7 +213,7 @@ def read_only_session(
         refuse_other_options(previous.manifest, request.options)
     current = fingerprints(listing, request.options)
     wanted = to_match(previous.manifest, current, request.trust_decoder)
-    folder = Path(request.cache).expanduser().absolute()
+    folder = fmt.cache_folder(request.cache)
     return Session(request, listing, folder, previous, current, wanted, stamps, why)
 
 

@@ -20,7 +20,6 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -178,7 +177,7 @@ class MemmapImageDataset(Dataset):
         if masks is not None:
             options = {"mask": "uint8", **options}
         self._masks, self._coco = masks, coco
-        self.cache = Path(cache).expanduser().absolute()
+        self.cache = fmt.cache_folder(cache)
         self.transform = transform
         self.target_transform = target_transform
         self.on_bad = on_bad
