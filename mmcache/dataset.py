@@ -409,6 +409,21 @@ class MemmapImageDataset(Dataset):
             target = self.target_transform(target)
         return img, target
 
+    def __repr__(self) -> str:
+        # torchvision's VisionDataset form: the class, then a line per fact, indented.
+        m = self.manifest
+        flags = Options.from_json(m.options).flags()
+        made = ", ".join(["built" if m.mode == "build" else "lazy", *([flags] if flags else [])])
+        lines = [
+            f"Number of images: {len(self)}",
+            f"Classes: {len(m.classes)}",
+            f"Cache: {self.cache} ({made})",
+            *(f"{name}: {value!r}".replace("\n", "\n    ") for name, value in (
+                ("Transform", self.transform), ("Target transform", self.target_transform))
+              if value is not None),
+        ]  # fmt: skip
+        return "\n    ".join([type(self).__name__, *lines])
+
     def wait_warm(self, timeout: float | None = None) -> WarmReport | None:
         """Wait for the ``warm=`` background read; its report, or None if none ran (or it is
         still running after ``timeout`` seconds). An error it met is raised here."""

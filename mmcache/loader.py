@@ -481,6 +481,13 @@ class BatchLoader:
                                              self.pin_memory)  # fmt: skip
         return self._view_rings
 
+    def __repr__(self) -> str:
+        shown = {"batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
+                 "crop": self.crop, "flip": self.flip, "views": self.views,
+                 "device": str(self.device), "num_threads": self.num_threads}  # fmt: skip
+        args = ", ".join(f"{k}={v!r}" for k, v in shown.items() if v is not None)
+        return f"{type(self).__name__}(cache={str(self.dataset.cache)!r}, {args})"
+
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         previous = self._live() if self._live is not None else None
         if previous is not None:

@@ -192,6 +192,16 @@ class _Crop:
             stacklevel=stacklevel + 1,
         )
 
+    def __repr__(self) -> str:
+        # torchvision's form: the class and the arguments that make it again.
+        args = {"size": self.size, **self._arguments(), "interpolation": self.interpolation,
+                "antialias": self.antialias}  # fmt: skip
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+
+    def _arguments(self) -> dict[str, Any]:
+        """The arguments particular to this crop, for ``__repr__``."""
+        return {}
+
     @property
     def kernel(self) -> tuple[str, bool]:
         """``(interpolation, antialias)``: ``resize_into``'s last two arguments."""
@@ -306,6 +316,9 @@ class RandomResizedCrop(_Crop):
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
 
+    def _arguments(self) -> dict[str, Any]:
+        return {"scale": self.scale, "ratio": tuple(round(r, 4) for r in self.ratio)}
+
     def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
         # torchvision's get_params, try by try, with the try's two numbers in u[k] and
         # u[TRIES + k] and the corner's two in u[2 * TRIES] and u[2 * TRIES + 1].
@@ -358,6 +371,9 @@ class CenterResizedCrop(_Crop):
             raise ValueError(f"ratio must be within (0, 1], got {ratio}")
         self.ratio = float(ratio)
 
+    def _arguments(self) -> dict[str, Any]:
+        return {"ratio": self.ratio}
+
     def short_side_needed(self) -> int:
         return math.ceil(min(self.size) / self.ratio - 1e-9)  # a quotient a hair above an int
 
@@ -391,6 +407,9 @@ class RandomHorizontalFlip:
             raise ValueError(f"p must be within [0, 1], got {p!r}")
         self.p = float(p)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(p={self.p})"
+
     def __call__(self, sample: Any) -> Any:
         img, target = _unpaired(sample)
         if torch.rand(1).item() < self.p:
@@ -407,6 +426,11 @@ class Compose:
 
     def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
         self.transforms = list(transforms)
+
+    def __repr__(self) -> str:
+        # torchvision's form: one transform a line
+        lines = "".join(f"\n    {t!r}" for t in self.transforms)
+        return f"{type(self).__name__}({lines}\n)"
 
     def __call__(self, x: Any) -> Any:
         for t in self.transforms:
@@ -507,6 +531,10 @@ class MultiCrop:
         self.crops = expand_views(views)  # checks them
         self.views = [(crop, int(n)) for crop, n in views]
         self.flip, self.return_params = bool(flip), bool(return_params)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(views={self.views!r}, flip={self.flip}, "
+                f"return_params={self.return_params})")  # fmt: skip
 
     def __call__(self, img: np.ndarray) -> Any:
         """The views of ``img`` (a list of new arrays), with ``return_params`` and their

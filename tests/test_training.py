@@ -22,7 +22,9 @@ from mmcache import (
     Compose,
     MemmapImageDataset,
     MixedShapesError,
+    MultiCrop,
     QuasiRandomSampler,
+    RandomHorizontalFlip,
     RandomResizedCrop,
     StateMismatchError,
     build_cache,
@@ -441,3 +443,30 @@ def test_resume_works_per_rank_under_torch_distributed(cache, tmp_path):
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["ok"] for r in results)
     assert results[0]["first"] != results[1]["first"]  # each rank has its own share and crops
+
+
+def test_the_dataset_the_loader_and_the_transforms_say_what_they_are(cache):
+    crop = RandomResizedCrop(32)
+    assert repr(crop) == (
+        "RandomResizedCrop(size=(32, 32), scale=(0.08, 1.0), ratio=(0.75, 1.3333), "
+        "interpolation='bilinear', antialias=True)"
+    )
+    assert repr(CenterResizedCrop((24, 32), antialias=False)) == (
+        "CenterResizedCrop(size=(24, 32), ratio=0.875, interpolation='bilinear', antialias=False)"
+    )
+    flip = RandomHorizontalFlip()
+    assert repr(Compose([crop, flip])) == f"Compose(\n    {crop!r}\n    {flip!r}\n)"
+    assert repr(flip) == "RandomHorizontalFlip(p=0.5)"
+    assert repr(MultiCrop([(crop, 2)])) == (
+        f"MultiCrop(views=[({crop!r}, 2)], flip=True, return_params=False)"
+    )
+    ds = MemmapImageDataset(cache, transform=Compose([crop]))
+    assert repr(ds) == (
+        f"MemmapImageDataset\n    Number of images: 60\n    Classes: 3\n    Cache: {cache} (built)"
+        f"\n    Transform: Compose(\n        {crop!r}\n    )"
+    )
+    loader = BatchLoader(MemmapImageDataset(cache), 8, shuffle=True, crop=crop)
+    assert repr(loader) == (
+        f"BatchLoader(cache={str(cache)!r}, batch_size=8, shuffle=True, crop={crop!r}, "
+        "flip=False, device='cpu', num_threads=2)"
+    )
