@@ -177,7 +177,7 @@ def _non_negative(text: str) -> int:
 
 
 def _interpolation(text: str) -> str:
-    """argparse type of ``--interpolation``: 2.x's OpenCV names still work, with a warning."""
+    """argparse type of ``--interpolation``: the old OpenCV names still work, with a warning."""
     if text in RENAMED:
         print(
             f"mmcache: warning: --interpolation {text} is now called {RENAMED[text]} (the same "

@@ -64,10 +64,10 @@ class Options:
     the aspect ratio, never upscale) is set; none keeps the native size. ``interpolation``: the
     crops' names (``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"``, ``"lanczos"``), each
     OpenCV's kernel (``"bilinear"``: INTER_LINEAR, which does not antialias), or ``"auto"``:
-    INTER_AREA to shrink and INTER_LINEAR to enlarge; 2.x's ``"linear"`` and ``"cubic"`` still
-    work for one release, with a ``FutureWarning``. The manifest records options as 2.x did
-    (``size`` as ``[width, height]``, ``"linear"`` and ``"cubic"``), so that caches keep their
-    fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
+    INTER_AREA to shrink and INTER_LINEAR to enlarge; the old names ``"linear"`` and
+    ``"cubic"`` still work for one release, with a ``FutureWarning``. The manifest records
+    options as format 2.x manifests did (``size`` as ``[width, height]``, ``"linear"`` and
+    ``"cubic"``), so that caches keep their fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
     ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
     (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
 
@@ -137,10 +137,10 @@ class Options:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        # The manifest's 2.x form: [width, height], OpenCV's names (the fingerprint hashes it).
+        # Format 2.x's manifest form: [width, height], OpenCV's names (the fingerprint hashes it).
         d["size"] = [self.size[1], self.size[0]] if self.size else None
         d["interpolation"] = to_stored(self.interpolation)
-        # Caches made before these options existed keep their fingerprint (and 2.x readers,
+        # Caches made before these options existed keep their fingerprint (and format 2.x readers,
         # which know no layouts, read an RGB cache's options as ever).
         for name in ("reduced_decode", "keep_truncated"):
             if not d[name]:

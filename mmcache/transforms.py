@@ -7,7 +7,7 @@ fits; then the fallback: the centre crop of the whole image clamped to ``ratio``
 shorter side to ``size``, which on images stored at shorter side 256 is torchvision's
 ``Resize(256)`` + ``CenterCrop(224)`` (FFCV's ``CenterCropRGBImageDecoder`` means the same;
 torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing). ``CenterCrop`` is
-its 2.x name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
+its old name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
 ``Compose`` complete the usual pipelines. ``MultiCrop`` gives several views of each image (the
 multi-crop of SimCLR and DINO), each with its own box and flip.
 
@@ -44,7 +44,7 @@ very kernel torchvision's ``resize`` runs on uint8 tensors (torch's ``_upsample_
 writing straight into the output; ``"bicubic"`` antialiased is torch's ``_upsample_bicubic2d_aa``.
 With ``antialias=False``, or for the other names (which torchvision never antialiases), each
 name is OpenCV's kernel, the one a build with ``--interpolation`` of that name stores with
-(``"bilinear"``: ``INTER_LINEAR``). OpenCV's 2.x names ``"linear"`` and ``"cubic"`` still work
+(``"bilinear"``: ``INTER_LINEAR``). The old (OpenCV's) names ``"linear"`` and ``"cubic"`` still work
 for one release, with a ``FutureWarning``, as ``"bilinear"`` and ``"bicubic"`` without
 antialiasing. docs/training.md gives how far each is from torchvision's, and how fast.
 
@@ -104,7 +104,7 @@ def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
 
 
 def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
-    """``(interpolation, antialias)`` in today's names: a 2.x name (OpenCV's, which never
+    """``(interpolation, antialias)`` in today's names: an old name (OpenCV's, which never
     antialiased) warns and becomes the new name without antialiasing."""
     if interpolation in RENAMED:
         antialias = False
@@ -179,11 +179,14 @@ class _Crop:
         smallest = int(shorter.min())
         factor = f"{needed / smallest:.3g}x"
         if len(shorter) == 1:
-            facts = f"an image of shorter side {smallest}, under {needed}, is upscaled {factor}"
+            facts = (
+                f"an image of shorter side {smallest}, under {needed}, is upscaled to {h}x{w} "
+                f"({factor})"
+            )
         else:
             facts = (
                 f"{int(small.sum())} of {len(shorter)} stored images have a shorter side under "
-                f"{needed} (the smallest: {smallest}): upscaled up to {factor}"
+                f"{needed} (the smallest: {smallest}): upscaled to {h}x{w}, up to {factor}"
             )
         cause = _upscale_cause(small, needed, cache)
         warnings.warn(
@@ -384,7 +387,7 @@ class CenterResizedCrop(_Crop):
 
 
 class CenterCrop(CenterResizedCrop):
-    """``CenterResizedCrop`` under its 2.x name, which means a plain crop to torchvision users:
+    """``CenterResizedCrop`` under its old name, which means a plain crop to torchvision users:
     deprecated, it warns (``FutureWarning``) and goes in the next major release."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

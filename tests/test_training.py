@@ -265,8 +265,8 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
         list(loader)
     assert [str(w.message) for w in caught] == [
         "RandomResizedCrop(64x64): 24 of 60 stored images have a shorter side under 64 (the "
-        "smallest: 50): upscaled up to 1.28x; the cache holds the source images' sizes: they "
-        "are that small in the source (crop smaller, or accept the upscaling)"
+        "smallest: 50): upscaled to 64x64, up to 1.28x; the cache holds the source images' "
+        "sizes: they are that small in the source (crop smaller, or accept the upscaling)"
     ]
     list(loader)  # once: the next epoch says nothing (pytest makes warnings errors)
     # a cache built too small: the warning gives the command that rebuilds it, which works
@@ -277,8 +277,8 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
     command = f"mmcache build {src} {small} --short-side 48 --replace"
     assert str(caught[0].message) == (
         "CenterResizedCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the "
-        "smallest: 40): upscaled up to 1.2x; 60 of them the cache's --short-side 40 made that "
-        f"small: rebuild it with `{command}`, or crop smaller"
+        "smallest: 40): upscaled to 42x42, up to 1.2x; 60 of them the cache's --short-side 40 "
+        f"made that small: rebuild it with `{command}`, or crop smaller"
     )
     assert cli.main(command.split()[1:]) == 0
     list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterResizedCrop(42)))
@@ -296,9 +296,9 @@ def test_the_upscale_warning_blames_small_sources_not_the_cache_and_says_it_once
             MemmapImageDataset(tmp_path / "c", transform=Compose([crop]))
         assert [str(w.message) for w in caught] == [
             f"{type(crop).__name__}({crop.size[0]}x{crop.size[1]}): 2 of 5 stored images have a "
-            f"shorter side under {needed} (the smallest: 90): upscaled up to "
-            f"{needed / 90:.3g}x; 2 of them are that small in the source (--short-side 256 "
-            "never enlarges; a rebuild would not change them)"
+            f"shorter side under {needed} (the smallest: 90): upscaled to "
+            f"{crop.size[0]}x{crop.size[1]}, up to {needed / 90:.3g}x; 2 of them are that small "
+            "in the source (--short-side 256 never enlarges; a rebuild would not change them)"
         ]
     # a crop larger than the cache's side: the 3 images it shrank can be rebuilt larger
     with pytest.warns(UserWarning) as caught:
