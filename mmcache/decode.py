@@ -414,6 +414,13 @@ def decode_record(
         return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
+    # A JPEG cut short in its image data, which libjpeg would decode saying "Premature end of
+    # JPEG file" on the stderr of a process that fills records lazily (no capture there), is
+    # refused before it is read: the refusal's reason says it.
+    if not opts.keep_truncated and jpeg_end(path) == "scan":
+        if _stat_key(path) != (size, mtime_ns):  # still being written, say
+            return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+        return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
     if capture is None:
         img, native = read_image(path, opts, name)
         message = ""
@@ -469,13 +476,20 @@ _NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 
 
 def jpeg_truncated(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a JPEG cut short: its segments end before the end-of-image marker.
+    """Whether ``path`` is a JPEG cut short: its segments end before the end-of-image marker
+    (``jpeg_end`` says where)."""
+    return jpeg_end(path) is not None
+
+
+def jpeg_end(path: str | os.PathLike) -> str | None:
+    """Where the JPEG ``path`` is cut short: ``"scan"`` in a scan's image data, ``"header"``
+    in a segment before one, None if it is not (or not a JPEG, see below).
 
     libjpeg decodes such a file without error ("Premature end of JPEG file"), the rest of the
     image grey. The segments are walked from the start of the file, their lengths skipping
     their payloads (an EXIF thumbnail's own markers are inside one) and each scan's data
     skipped to the next marker, so bytes after the end-of-image marker (a phone's appended
-    video, a vendor's trailer) are never read as the image's. False for other formats, for
+    video, a vendor's trailer) are never read as the image's. None for other formats, for
     files whose markers do not parse, and for unreadable files (the decoder judged those).
     """
     try:
@@ -485,28 +499,28 @@ def jpeg_truncated(path: str | os.PathLike) -> bool:
         finally:
             os.close(fd)
     except OSError:
-        return False
+        return None
     if not data.startswith(_JPEG_SOI):
-        return False
+        return None
     pos, size = 2, len(data)
     while pos + 2 <= size:
         if data[pos] != 0xFF:
-            return False  # not where a marker belongs: malformed, the decoder's to judge
+            return None  # not where a marker belongs: malformed, the decoder's to judge
         marker = data[pos + 1]
         if marker == 0xD9:
-            return False  # the end of the image
+            return None  # the end of the image
         if marker == 0xFF or 0xD0 <= marker <= 0xD7 or marker == 0x01:
             pos += 1 if marker == 0xFF else 2  # a fill byte, or a marker without a length
             continue
         if pos + 4 > size:
-            return True
+            return "header"
         pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if marker == 0xDA:  # a scan: its entropy-coded data runs to the next marker
             found = _NEXT_MARKER.search(data, pos)
             if found is None:
-                return True
+                return "scan"
             pos = found.start()
-    return True
+    return "header"
 
 
 def _stat_key(path: str) -> tuple[int, int] | None:
