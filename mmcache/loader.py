@@ -120,7 +120,8 @@ class BatchLoader:
         crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterResizedCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
             change the output size (progressive resizing); the buffers follow. An iteration
-            whose crops upscale stored images (smaller than the output) warns, once per size.
+            whose crops upscale stored images (smaller than the output) warns, once per size
+            (``MemmapImageDataset.warn_if_upscaling``).
         flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
         normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
             ``((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``): the batches become floats

@@ -50,9 +50,11 @@ antialiasing. docs/training.md gives how far each is from torchvision's, and how
 
 A crop whose output is larger than the largest box it can take of a stored image (the whole
 image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterResizedCrop``)
-upscales that image: part of what the crop means, but over a whole cache most likely a cache
+upscales that image: part of what the crop means, but over a whole cache possibly a cache
 built too small (``--short-side 128`` cropped to 224). Each crop warns once per output size
-(``UserWarning``), naming the sizes and the ``--short-side`` that avoids it.
+(``UserWarning``): which images, by how much, and, over a cache (``UpscaleCause``), whether its
+size option or the source made them small, with a rebuild command only for the former
+(docs/training.md).
 """
 
 from __future__ import annotations
