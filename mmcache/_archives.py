@@ -47,6 +47,7 @@ import json
 import os
 import posixpath
 import re
+import shlex
 import stat as stat_mod
 import tempfile
 import zipfile
@@ -73,12 +74,18 @@ TAR_SUFFIXES = (".tar",)
 ZIP_SUFFIXES = (".zip",)
 COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 # First bytes of the compressors a .tar may hide: gzip, bzip2, xz, zstd.
+# The tool of each (``gzip``): ``-dc`` writes what it decompresses to stdout.
 _COMPRESSED_MAGIC = {
-    b"\x1f\x8b": ("gzip", "gunzip -k"),
-    b"BZh": ("bzip2", "bunzip2 -k"),
-    b"\xfd7zXZ\x00": ("xz", "unxz -k"),
-    b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"),
+    b"\x1f\x8b": ("gzip", "gzip"),
+    b"BZh": ("bzip2", "bzip2"),
+    b"\xfd7zXZ\x00": ("xz", "xz"),
+    b"\x28\xb5\x2f\xfd": ("zstd", "zstd"),
 }
+# What decompresses a compressed tar named by its suffix into the .tar beside it, kept.
+_DECOMPRESS_BY_SUFFIX = {
+    ".tar.gz": "gunzip -k", ".tgz": "gunzip -k", ".tar.bz2": "bunzip2 -k",
+    ".tbz2": "bunzip2 -k", ".tar.xz": "unxz -k", ".txz": "unxz -k", ".tar.zst": "zstd -d",
+}  # fmt: skip
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _STORED, _DEFLATED = 0, 8
 # A member as the scan keeps it: (archive, offset, stored length, method, crc, size, mtime_ns).
@@ -363,7 +370,8 @@ def scan_archive(
         return _scan_shards(root, found, images, label_key, {})
     lower = root.name.lower()
     if lower.endswith(COMPRESSED_TAR_SUFFIXES):
-        raise _compressed(root, "compressed", "decompress it")
+        tool = next(t for suffix, t in _DECOMPRESS_BY_SUFFIX.items() if lower.endswith(suffix))
+        raise _compressed(root, "compressed", f"run `{tool} {shlex.quote(str(root))}`")
     if lower.endswith(ZIP_SUFFIXES):
         if label_key is not None:
             raise SourceError(f"{root}: a zip is read as an ImageFolder; label_key is for shards")
@@ -388,7 +396,7 @@ def _compressed(path: Path, what: str, how: str) -> SourceError:
     return SourceError(
         f"{path}: a {what} tar reads only front to back, and mmcache reads each image by its "
         f"offset: {how} once (the images stay inside the .tar, nothing is extracted), then "
-        "build from the .tar"
+        "build from that .tar"
     )
 
 
@@ -400,14 +408,18 @@ def _refuse_compressed(path: Path) -> None:
         raise SourceError(f"{path}: cannot read the archive ({e.strerror})") from None
     for magic, (name, tool) in _COMPRESSED_MAGIC.items():
         if head.startswith(magic):
-            raise _compressed(path, f"{name}-compressed", f"`{tool}` it")
+            out = path.with_name(f"{path.stem}.decompressed.tar")
+            how = f"run `{tool} -dc {shlex.quote(str(path))} > {shlex.quote(str(out))}`"
+            raise _compressed(path, f"{name}-compressed", how)
 
 
 def _clean_name(name: str, table: _Table, where: str) -> str | None:
     """The member name as extraction would place it (``./a//b`` -> ``a/b``), or None, noted in
     the table's warnings, when it is absolute or climbs out with ``..``."""
     if name.startswith("/") or re.match(r"[A-Za-z]:[\\/]", name):
-        table.warn(name, f"an absolute name in {where}: left out (extraction refuses it)")
+        table.warn(name, f"an absolute name in {where}: left out (where it belongs is unclear: "
+                   "tar extracts it with its leading '/' removed, under a folder of that "
+                   "name, which a source would read as a class)")  # fmt: skip
         return None
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
@@ -545,7 +557,7 @@ def _refuse_compressed_member(root: Path, offset: int, where: str) -> None:
         head = os.pread(f.fileno(), 8, offset)
     for magic, (name, tool) in _COMPRESSED_MAGIC.items():
         if head.startswith(magic):
-            raise _compressed(Path(where), f"{name}-compressed", f"`{tool}` it")
+            raise _compressed(Path(where), f"{name}-compressed", f"extract it and `{tool} -d` it")
 
 
 def _scan_zip(root: Path, images: tuple[str, ...]) -> Found:

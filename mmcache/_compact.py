@@ -32,7 +32,7 @@ def compact(cache: str | os.PathLike) -> BuildReport:
     """Write the cache's current records into a data file of their own, in index order, with
     no garbage between them, and publish that as a new generation (``compact_cache``)."""
     start = time.perf_counter()
-    folder = Path(cache).expanduser().absolute()
+    folder = fmt.cache_folder(cache)
     fmt.read_manifest(folder)  # no cache there: its error, before anything else
     with writer_lock(folder):
         files = fmt.read_cache_files(fmt.read_manifest(folder))

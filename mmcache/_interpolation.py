@@ -25,7 +25,7 @@ STORED = {new: old for old, new in RENAMED.items()}
 def interpolation_name(
     name: str, what: str, extra: tuple[str, ...] = (), stacklevel: int = 2
 ) -> str:
-    """``name`` in this vocabulary: itself, or the new name of a 2.x name (with a
+    """``name`` in this vocabulary: itself, or the new name of an old name (with a
     ``FutureWarning`` naming ``what`` took it); ``extra``: further names ``what`` accepts."""
     if name in RENAMED:
         warnings.warn(
@@ -42,11 +42,11 @@ def interpolation_name(
 
 
 def from_stored(name: str) -> str:
-    """The name of a manifest's recorded interpolation (2.x names included), without warning."""
+    """The name of a manifest's recorded interpolation (old names included), without warning."""
     return RENAMED.get(name, name)
 
 
 def to_stored(name: str) -> str:
-    """The name a manifest records for ``name``: 2.x's where it had one, so that a cache built
-    before the renaming keeps its fingerprint and stays current."""
+    """The name a manifest records for ``name``: the old one where there is one, so that a
+    cache built before the renaming keeps its fingerprint and stays current."""
     return STORED.get(name, name)

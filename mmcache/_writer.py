@@ -63,6 +63,7 @@ from .annotations import annotate, carry_user_fields, recorded_annotations
 from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
 from .errors import (
     CacheFormatError,
+    DestinationError,
     OptionsChangedError,
     SourceChangedError,
     SourceError,
@@ -113,6 +114,17 @@ class BuildRequest:
     coco: str | os.PathLike | None = None
     fields: Mapping[str, Mapping[str, Any]] | None = None
 
+    def __post_init__(self) -> None:
+        workers = self.workers
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
+        ):  # (0: decode in this process)
+            raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+        if not 0 <= self.compact_at <= 1:  # (0: compact whenever there is garbage)
+            raise ValueError(
+                f"compact_at must be a share of the data file in [0, 1], got {self.compact_at!r}"
+            )
+
 
 @dataclass
 class Session:
@@ -129,6 +141,9 @@ class Session:
     current: dict[str, str]
     wanted: dict[str, str]
     stamps: dict[str, Any] | None = None  # what the quick open-time check compares
+    # Why the folder cannot be written (a read-only mount), else None: such a session may
+    # only find the cache up to date.
+    read_only: DestinationError | None = None
 
     @property
     def lazy(self) -> bool:
@@ -149,8 +164,16 @@ def session(request: BuildRequest) -> Iterator[Session]:
         listing.annotations = annotate(listing, request.masks, request.coco, request.fields)
     # When a listing is given its scan time is unknown: no stamps, the quick check scans.
     stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
-    folder = Path(request.cache).expanduser().absolute()
-    created = prepare_folder(folder)
+    folder = fmt.cache_folder(request.cache)
+    try:
+        created = prepare_folder(folder)
+    except DestinationError as e:
+        previous = open_existing(folder) if folder.is_dir() else None
+        if previous is None:
+            raise
+        # A read-only mount of a cache: readable without the lock, which no writer can take.
+        yield read_only_session(request, listing, previous, stamps, e)
+        return
     try:
         with writer_lock(folder):
             previous = open_existing(folder)
@@ -174,6 +197,24 @@ def session(request: BuildRequest) -> Iterator[Session]:
         if created:  # a first build that failed leaves no folder behind
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def read_only_session(
+    request: BuildRequest,
+    listing: Listing,
+    previous: fmt.CacheFiles,
+    stamps: dict[str, Any] | None,
+    why: DestinationError,
+) -> Session:
+    """The session of a build over a cache whose folder cannot be written (``why``)."""
+    if not request.replace:
+        if not request.source_moved:
+            refuse_other_source(previous.manifest, listing)
+        refuse_other_options(previous.manifest, request.options)
+    current = fingerprints(listing, request.options)
+    wanted = to_match(previous.manifest, current, request.trust_decoder)
+    folder = fmt.cache_folder(request.cache)
+    return Session(request, listing, folder, previous, current, wanted, stamps, why)
 
 
 def refuse_other_source(m: fmt.Manifest, listing: Listing) -> None:
@@ -211,12 +252,19 @@ def refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
 
 
 def up_to_date_report(s: Session) -> BuildReport | None:
-    """The report of a build that has nothing to do, or None if the cache must be (re)built."""
+    """The report of a build that has nothing to do, or None if the cache must be (re)built.
+
+    Raises:
+        DestinationError: the cache must be rebuilt, and its folder cannot be written.
+    """
     if s.previous is None or not is_current(s.previous, s.listing, s.wanted, s.lazy):
+        if s.read_only is not None:
+            raise DestinationError(f"{s.read_only} and the cache there is not up to date")
         return None
     m = s.previous.manifest
     report = current_report(s.previous)
     report.ignored = list(s.listing.ignored)
+    report.other_files = dict(s.listing.other_files)
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
@@ -225,7 +273,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
         m.extra["source_stamps"] = s.stamps
     if report.trusted_decoder:
         m.extra["trusted_decoder"] = trust_record(decoder_versions())
-    if report.trusted_decoder or stale_stamps:
+    if (report.trusted_decoder or stale_stamps) and s.read_only is None:
         write_manifest(m)
     return report
 
@@ -554,6 +602,7 @@ def _finish_report(
         removed=removed,
         changed=changed,
         ignored=list(listing.ignored),
+        other_files=dict(listing.other_files),
         trusted_decoder=g.reused > 0 and s.wanted != s.current,
         skipped=skipped,
         warnings=warnings,

@@ -8,7 +8,7 @@ per-image arrays in the generation's ``fields`` file. They come from:
   image extension; ``.png`` first), as VOC (``JPEGImages/`` + ``SegmentationClass/``) and
   ADE20K (``images/`` + ``annotations/``) lay them out. A mask is a label map: a single-channel
   8- or 16-bit image of the image's size; a palette PNG (VOC's) is read as its palette
-  indices, with Pillow (``pip install "mmcache[masks]"``), never as colours. An image without
+  indices, with Pillow (``pip install pillow``), never as colours. An image without
   its mask, or whose mask is not a label map of its size, is skipped with the reason.
 - ``coco=instances.json``: COCO's detection annotations. Each image's boxes (``bbox``, x, y,
   width, height in the JSON's pixels) are stored as ``boxes`` x1, y1, x2, y2 (float32) in the
@@ -372,8 +372,8 @@ def _palette_indices(data: bytes) -> np.ndarray | str:
         from PIL import Image
     except ImportError:
         return (
-            "a palette PNG, whose class numbers only Pillow reads: "
-            'pip install "mmcache[masks]" (or pillow)'
+            "a palette PNG, whose class numbers only Pillow reads: pip install pillow (or, in "
+            'a checkout of mmcache, pip install -e ".[masks]")'
         )
     try:
         with Image.open(io.BytesIO(data)) as im:

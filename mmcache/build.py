@@ -21,6 +21,7 @@ the decoding shared out among the ranks of a torch.distributed group.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -119,6 +120,8 @@ def build_cache(
         DecodeWorkerError: the decode workers could not run (they die at start, or on each file).
         TypeError, ValueError: an unknown or an invalid preprocessing option.
     """
+    if not (isinstance(dist_timeout, int | float) and 0 < dist_timeout < math.inf):
+        raise ValueError(f"dist_timeout must be a number of seconds above 0, got {dist_timeout!r}")
     request = writer.BuildRequest(
         source, cache, _options(options, masks), workers=workers, strict=strict,
         progress=progress, force=force, trust_decoder=trust_decoder, replace=replace,

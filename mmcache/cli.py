@@ -15,6 +15,7 @@ import codecs
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -132,6 +133,17 @@ def _height_width(text: str) -> tuple[int, int]:
     return height, width
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type of a duration: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -165,7 +177,7 @@ def _non_negative(text: str) -> int:
 
 
 def _interpolation(text: str) -> str:
-    """argparse type of ``--interpolation``: 2.x's OpenCV names still work, with a warning."""
+    """argparse type of ``--interpolation``: the old OpenCV names still work, with a warning."""
     if text in RENAMED:
         print(
             f"mmcache: warning: --interpolation {text} is now called {RENAMED[text]} (the same "
@@ -246,9 +258,19 @@ def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
+def _ignored_files(by_extension: dict[str, int], most: int = 5) -> str:
+    """``"5 files ignored (not images): .txt (3), .xml (2)"``, the commonest extensions."""
+    shown = [f"{ext or '(no extension)'} ({n})" for ext, n in list(by_extension.items())[:most]]
+    more = ", ..." if len(by_extension) > most else ""
+    total = count(sum(by_extension.values()), "file")
+    return f"{total} ignored (not images by their extension): {', '.join(shown)}{more}"
+
+
 def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     for folder in report.ignored:
         out(f"  ignored {_one_line(folder)}/ in the source: it holds an mmcache cache")
+    if report.other_files:
+        out(f"  {_ignored_files(report.other_files)}")
     images = count(report.images, "image")
     pending = f", {count(report.pending, 'record')} to fill on first read" if report.pending else ""
     if report.up_to_date:
@@ -876,7 +898,7 @@ def _add_build(cmds: _Commands) -> None:
     )
     b.add_argument(
         "--dist-timeout",
-        type=float,
+        type=_positive_seconds,
         default=DIST_TIMEOUT,
         metavar="SECONDS",
         help="under torchrun: how long a rank waits for the others before the build fails "

@@ -67,8 +67,8 @@ def copy_cache(
         NotACacheError, DestinationError, InsufficientSpaceError: ``dest`` cannot take it.
     """
     start = time.perf_counter()
-    source = Path(src).expanduser().absolute()
-    folder = Path(dest).expanduser().absolute()
+    source = fmt.cache_folder(src)
+    folder = fmt.cache_folder(dest)
     m = fmt.read_manifest(source)
     # Open the four files now: a rebuild of ``src`` that replaces them cannot pull them away.
     fds: dict[str, int] = {}

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from typing import Any, overload
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from . import format as fmt
@@ -32,6 +32,7 @@ from ._records import RecordReader, open_reader
 from ._staleness import (
     SOURCE_CHECKS,
     rebuild_advice,
+    recorded_source,
     rescan,
     same_options,
     same_source,
@@ -48,8 +49,8 @@ from .errors import (
     StaleCacheWarning,
 )
 from .residency import WarmReport, start_warming
-from .scan import Listing, scan_source
-from .transforms import leading_crop
+from .scan import Listing, scan_source, source_exists
+from .transforms import UpscaleCause, crops_in, leading_crop
 
 __all__ = ["MemmapImageDataset"]
 
@@ -94,7 +95,7 @@ class MemmapImageDataset(Dataset):
             the source folder) or ``"refresh"`` (bring the cache up to date now: a built cache
             is rebuilt, decoding only new and modified files; a lazy cache gets a new generation
             keeping the filled records of unchanged files). A source that is not there (a copied
-            cache) is not checked.
+            cache) is not checked, except that ``"error"`` raises ``CacheStaleError`` naming it.
         source: the image folder or ``path,label`` list: enables lazy mode.
         on_bad: a file that cannot be cached (undecodable, over ``max_pixels``, changed since it
             was listed, or decoding to another size than its header says): ``"raise"`` a
@@ -176,7 +177,7 @@ class MemmapImageDataset(Dataset):
         if masks is not None:
             options = {"mask": "uint8", **options}
         self._masks, self._coco = masks, coco
-        self.cache = Path(cache).expanduser().absolute()
+        self.cache = fmt.cache_folder(cache)
         self.transform = transform
         self.target_transform = target_transform
         self.on_bad = on_bad
@@ -184,6 +185,7 @@ class MemmapImageDataset(Dataset):
         files = self._open(source, Options(**options), on_stale, replace, source_moved)
         self.generation = files.manifest.generation
         self._attach(files)
+        self.warn_if_upscaling([transform], stacklevel=2)
         self._warm_thread = start_warming(files.manifest, warm) if warm is not False else None
 
     def _open(
@@ -224,6 +226,13 @@ class MemmapImageDataset(Dataset):
         assert files is not None  # a missing cache was created above, or CacheNotFoundError raised
         if on_stale == "ignore":
             return files
+        recorded = recorded_source(files.manifest)
+        if on_stale == "error" and recorded and not source_exists(recorded):
+            raise CacheStaleError(
+                f"{self.cache}: on_stale='error' cannot check the cache: its source {recorded} "
+                "is not there (unmounted, moved or mistyped?); mount it, or open the cache with "
+                "on_stale='ignore' (a copy used without its source)"
+            )
         reason = stale_reason(files, listing, quick=self.source_check == "quick")
         if reason is None:
             return files
@@ -234,6 +243,42 @@ class MemmapImageDataset(Dataset):
             raise CacheStaleError(message)
         warnings.warn(message, StaleCacheWarning, stacklevel=3)
         return files
+
+    def warn_if_upscaling(self, transforms: Sequence[Any], stacklevel: int = 1) -> None:
+        """Warn, once per crop and output size, of mmcache's crops in ``transforms`` (crops,
+        ``Compose``, ``MultiCrop``; anything else, None included, is passed over) that upscale
+        stored images, saying whether this cache's size option or the source made them that small
+        (a ``UserWarning``). Called here, in the process that makes the dataset or loader, it
+        marks the crops warned: DataLoader workers, forked or spawned, inherit the mark and
+        do not warn again, each their own."""
+        crops = [crop for t in transforms for crop in crops_in(t)]
+        cause = self._upscale_cause() if crops else None
+        for crop in crops:
+            crop.warn_if_upscaling(self.reader.records.shapes, cause, stacklevel=stacklevel + 1)
+
+    def _upscale_cause(self) -> UpscaleCause:
+        m = self.manifest
+        options = Options.from_json(m.options)
+        hw = self.reader.records.shapes[:, :2]
+        if options.size is not None:
+            sized = np.ones(len(hw), bool)
+        elif options.short_side is not None:  # never enlarged: at the side, it was shrunk
+            sized = hw.min(axis=1) >= options.short_side
+        elif options.max_side is not None:
+            sized = hw.max(axis=1) >= options.max_side
+        else:
+            sized = np.zeros(len(hw), bool)
+
+        def rebuild(short_side: int) -> str:
+            wanted = replace(options, size=None, max_side=None, short_side=short_side)
+            if m.mode == "lazy":
+                return f"make it again with short_side={short_side} and replace=True"
+            command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
+            return f"rebuild it with `{command}`"
+
+        size_option = Options(size=options.size, max_side=options.max_side,
+                              short_side=options.short_side)  # fmt: skip
+        return UpscaleCause(sized, size_option.flags(), rebuild)
 
     def _refresh(
         self, files: fmt.CacheFiles, listing: Listing | None, options: Options | None
@@ -276,6 +321,11 @@ class MemmapImageDataset(Dataset):
         return len(self.reader)
 
     def _checked(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer):
+            if not (isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+                raise TypeError(f"dataset indices are ints, got {type(i).__name__}")
+            i = int(i)  # a sampler's 0-d integer tensor
+        i = int(i)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for {n} images")
@@ -319,7 +369,16 @@ class MemmapImageDataset(Dataset):
                 return j, stored
         raise DecodeError(f"{self.cache}: no image of the cache can be read")
 
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
+    @overload
+    def __getitem__(self, i: int) -> tuple[Any, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[Any, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[Any, Any] | list[tuple[Any, Any]]:
+        """Sample ``i``: ``(image, label)`` (or ``(image, target)``), through the transforms;
+        a slice gives the list of its samples, as a list's slice does."""
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
         i = self._checked(i)
         reader = self.reader
         stored = reader.stored_or_none(i)
@@ -349,6 +408,21 @@ class MemmapImageDataset(Dataset):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return img, target
+
+    def __repr__(self) -> str:
+        # torchvision's VisionDataset form: the class, then a line per fact, indented.
+        m = self.manifest
+        flags = Options.from_json(m.options).flags()
+        made = ", ".join(["built" if m.mode == "build" else "lazy", *([flags] if flags else [])])
+        lines = [
+            f"Number of images: {len(self)}",
+            f"Classes: {len(m.classes)}",
+            f"Cache: {self.cache} ({made})",
+            *(f"{name}: {value!r}".replace("\n", "\n    ") for name, value in (
+                ("Transform", self.transform), ("Target transform", self.target_transform))
+              if value is not None),
+        ]  # fmt: skip
+        return "\n    ".join([type(self).__name__, *lines])
 
     def wait_warm(self, timeout: float | None = None) -> WarmReport | None:
         """Wait for the ``warm=`` background read; its report, or None if none ran (or it is

@@ -64,10 +64,10 @@ class Options:
     the aspect ratio, never upscale) is set; none keeps the native size. ``interpolation``: the
     crops' names (``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"``, ``"lanczos"``), each
     OpenCV's kernel (``"bilinear"``: INTER_LINEAR, which does not antialias), or ``"auto"``:
-    INTER_AREA to shrink and INTER_LINEAR to enlarge; 2.x's ``"linear"`` and ``"cubic"`` still
-    work for one release, with a ``FutureWarning``. The manifest records options as 2.x did
-    (``size`` as ``[width, height]``, ``"linear"`` and ``"cubic"``), so that caches keep their
-    fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
+    INTER_AREA to shrink and INTER_LINEAR to enlarge; the old names ``"linear"`` and
+    ``"cubic"`` still work for one release, with a ``FutureWarning``. The manifest records
+    options as format 2.x manifests did (``size`` as ``[width, height]``, ``"linear"`` and
+    ``"cubic"``), so that caches keep their fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
     ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
     (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
 
@@ -104,6 +104,12 @@ class Options:
             object.__setattr__(self, "max_pixels", DEFAULT_MAX_PIXELS)
         if sum(x is not None for x in (self.size, self.max_side, self.short_side)) > 1:
             raise ValueError("choose at most one of size, max_side and short_side")
+        if isinstance(self.size, int | np.integer):  # a square? or the shorter side?
+            n = int(self.size)
+            raise TypeError(
+                f"size must be (height, width) of positive ints, got {n}: for a square write "
+                f"size=({n}, {n}), to keep the aspect ratio use short_side={n}"
+            )
         if self.size is not None:
             size = tuple(int(v) for v in self.size)
             if len(size) != 2 or min(size) < 1:
@@ -131,10 +137,10 @@ class Options:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        # The manifest's 2.x form: [width, height], OpenCV's names (the fingerprint hashes it).
+        # Format 2.x's manifest form: [width, height], OpenCV's names (the fingerprint hashes it).
         d["size"] = [self.size[1], self.size[0]] if self.size else None
         d["interpolation"] = to_stored(self.interpolation)
-        # Caches made before these options existed keep their fingerprint (and 2.x readers,
+        # Caches made before these options existed keep their fingerprint (and format 2.x readers,
         # which know no layouts, read an RGB cache's options as ever).
         for name in ("reduced_decode", "keep_truncated"):
             if not d[name]:
@@ -408,6 +414,13 @@ def decode_record(
         return fmt.BAD_SOURCE_CHANGED, 0, "vanished since it was listed", None
     if (before.st_size, before.st_mtime_ns) != (size, mtime_ns):
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
+    # A JPEG cut short in its image data, which libjpeg would decode saying "Premature end of
+    # JPEG file" on the stderr of a process that fills records lazily (no capture there), is
+    # refused before it is read: the refusal's reason says it.
+    if not opts.keep_truncated and jpeg_end(path) == "scan":
+        if _stat_key(path) != (size, mtime_ns):  # still being written, say
+            return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
+        return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
     if capture is None:
         img, native = read_image(path, opts, name)
         message = ""
@@ -463,13 +476,20 @@ _NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 
 
 def jpeg_truncated(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a JPEG cut short: its segments end before the end-of-image marker.
+    """Whether ``path`` is a JPEG cut short: its segments end before the end-of-image marker
+    (``jpeg_end`` says where)."""
+    return jpeg_end(path) is not None
+
+
+def jpeg_end(path: str | os.PathLike) -> str | None:
+    """Where the JPEG ``path`` is cut short: ``"scan"`` in a scan's image data, ``"header"``
+    in a segment before one, None if it is not (or not a JPEG, see below).
 
     libjpeg decodes such a file without error ("Premature end of JPEG file"), the rest of the
     image grey. The segments are walked from the start of the file, their lengths skipping
     their payloads (an EXIF thumbnail's own markers are inside one) and each scan's data
     skipped to the next marker, so bytes after the end-of-image marker (a phone's appended
-    video, a vendor's trailer) are never read as the image's. False for other formats, for
+    video, a vendor's trailer) are never read as the image's. None for other formats, for
     files whose markers do not parse, and for unreadable files (the decoder judged those).
     """
     try:
@@ -479,28 +499,28 @@ def jpeg_truncated(path: str | os.PathLike) -> bool:
         finally:
             os.close(fd)
     except OSError:
-        return False
+        return None
     if not data.startswith(_JPEG_SOI):
-        return False
+        return None
     pos, size = 2, len(data)
     while pos + 2 <= size:
         if data[pos] != 0xFF:
-            return False  # not where a marker belongs: malformed, the decoder's to judge
+            return None  # not where a marker belongs: malformed, the decoder's to judge
         marker = data[pos + 1]
         if marker == 0xD9:
-            return False  # the end of the image
+            return None  # the end of the image
         if marker == 0xFF or 0xD0 <= marker <= 0xD7 or marker == 0x01:
             pos += 1 if marker == 0xFF else 2  # a fill byte, or a marker without a length
             continue
         if pos + 4 > size:
-            return True
+            return "header"
         pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if marker == 0xDA:  # a scan: its entropy-coded data runs to the next marker
             found = _NEXT_MARKER.search(data, pos)
             if found is None:
-                return True
+                return "scan"
             pos = found.start()
-    return True
+    return "header"
 
 
 def _stat_key(path: str) -> tuple[int, int] | None:

@@ -184,9 +184,10 @@ __all__ = [
     "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FILL_MARKER_PREFIX", "FORMAT_VERSION",
     "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
     "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest", "READS_MAJORS",
-    "STATE_DTYPE", "check_relative_path", "dtype_descr", "file_name", "is_cache_file_name",
-    "is_fill_marker_name", "is_generation_file_name", "manifest_checksum", "open_cache",
-    "read_cache_files", "read_manifest", "record_nbytes", "record_shapes", "validate_records",
+    "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
+    "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "manifest_checksum",
+    "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
+    "validate_records",
 ]  # fmt: skip
 
 MAGIC = "mmcache"
@@ -403,6 +404,12 @@ def manifest_checksum(m: dict[str, Any]) -> int:
     return zlib.crc32(text.encode("ascii"))
 
 
+def cache_folder(cache: str | os.PathLike) -> Path:
+    """``cache`` as an absolute path, ``~`` expanded and ``..`` and ``.`` taken out (as
+    ``os.path.abspath``): how every message and report names a cache."""
+    return Path(os.path.abspath(Path(cache).expanduser()))
+
+
 def read_manifest(cache: str | os.PathLike) -> Manifest:
     """Read and validate ``cache/manifest.json``; nothing in it is trusted before it is checked.
 
@@ -410,7 +417,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         CacheNotFoundError: no cache folder, or no manifest in it (never finished).
         CacheFormatError: anything malformed, or a format version this reader does not know.
     """
-    folder = Path(cache)
+    folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
     m = _load_manifest_json(folder, mpath)
     version = _check_version(m, mpath)

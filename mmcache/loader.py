@@ -31,15 +31,16 @@ by one.
 
 from __future__ import annotations
 
+import os
 import secrets
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.data import Subset
 
 from ._batches import (
     Iteration,
@@ -53,11 +54,8 @@ from ._batches import (
     random_reader,
 )
 from ._feedback import count
-from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
-from .decode import Options
 from .errors import MixedShapesError, StateMismatchError
-from .format import Manifest
 from .residency import memory
 from .sampler import check_resume, dataset_identity, order_identity
 from .transforms import expand_views
@@ -131,7 +129,8 @@ class BatchLoader:
         crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterResizedCrop``: every record, of any
             shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
             change the output size (progressive resizing); the buffers follow. An iteration
-            whose crops upscale stored images (smaller than the output) warns, once per size.
+            whose crops upscale stored images (smaller than the output) warns, once per size
+            (``MemmapImageDataset.warn_if_upscaling``).
         flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
         normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
             ``((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``): the batches become floats
@@ -196,6 +195,11 @@ class BatchLoader:
         views: Sequence[tuple[Any, int]] | None = None,
         return_params: bool = False,
     ) -> None:
+        check_dataset(dataset)
+        for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
+                            ("prefetch", prefetch)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if read not in ("auto", "mmap", "pread"):
             raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
         if batch_size < 1 or num_threads < 1 or prefetch < 1:
@@ -521,6 +525,13 @@ class BatchLoader:
                                              self.pin_memory)  # fmt: skip
         return self._view_rings
 
+    def __repr__(self) -> str:
+        shown = {"batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
+                 "crop": self.crop, "flip": self.flip, "views": self.views,
+                 "device": str(self.device), "num_threads": self.num_threads}  # fmt: skip
+        args = ", ".join(f"{k}={v!r}" for k, v in shown.items() if v is not None)
+        return f"{type(self).__name__}(cache={str(self.dataset.cache)!r}, {args})"
+
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         previous = self._live() if self._live is not None else None
         if previous is not None:
@@ -535,10 +546,7 @@ class BatchLoader:
                 self._iteration_seed = secrets.randbits(63)
             seed = self._iteration_seed
         crops = [self.crop] if self.views is None else [c for c, _ in self.views]
-        for crop in crops:
-            if hasattr(crop, "warn_if_upscaling"):  # once per size: a cache built too small?
-                advice = _upscale_advice(self.dataset.manifest, crop.short_side_needed())
-                crop.warn_if_upscaling(self.dataset.reader.records.shapes, advice, stacklevel=2)
+        self.dataset.warn_if_upscaling(crops, stacklevel=2)  # once per size
         start, self._start = self._start, 0
         order, ahead = self._order(seed)
         it = Iteration(self._job(order, ahead, seed), start, self.num_threads, self._taken)
@@ -583,25 +591,22 @@ class BatchLoader:
         )
 
 
-def _upscale_advice(m: Manifest, short_side: int) -> str:
-    """What to do about crops that upscale the images of cache ``m``: make it again at
-    ``short_side`` if its own size option shrank them, else crop smaller."""
-    try:
-        options = Options.from_json(m.options)
-    except (TypeError, ValueError):
-        options = Options()
-    if all(getattr(options, name) is None for name in ("size", "max_side", "short_side")):
-        return "the cache holds the source images' sizes: crop smaller, or accept the upscaling"
-    wanted = replace(options, size=None, max_side=None, short_side=short_side)
-    if m.mode == "lazy":
-        how = f"make it again with short_side={short_side} and replace=True"
-    else:
-        command = f"mmcache build {recorded_source(m)} {m.path} {wanted.flags()} --replace"
-        how = f"rebuild it with `{command}`"
-    return (
-        f"the cache was made with {options.flags()}: {how} (images smaller in the source stay "
-        "as they are), or crop smaller"
-    )
+def check_dataset(dataset: Any) -> None:
+    """TypeError unless ``dataset`` is a ``MemmapImageDataset``, saying what to pass instead."""
+    if isinstance(dataset, MemmapImageDataset):
+        return
+    if isinstance(dataset, Subset):
+        raise TypeError(
+            "BatchLoader reads a MemmapImageDataset's records itself, not a Subset: pass the "
+            "dataset and its indices as sampler=[0, 1, ...] (or a sampler of them), e.g. "
+            "BatchLoader(subset.dataset, 256, sampler=subset.indices)"
+        )
+    if isinstance(dataset, str | os.PathLike):
+        raise TypeError(
+            f"BatchLoader takes a dataset, not a path: BatchLoader(MemmapImageDataset("
+            f"{os.fspath(dataset)!r}), ...)"
+        )
+    raise TypeError(f"BatchLoader takes a MemmapImageDataset, got {type(dataset).__name__}")
 
 
 def _channels(dataset: MemmapImageDataset) -> int:

@@ -210,7 +210,7 @@ def plan_cache(
     same = [p for p in policies if _same_shapes(p.options, opts)]
     build = replace(same[0], options=opts) if same else policy(opts)
     too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
-    folder = None if cache is None else Path(cache).expanduser().absolute()
+    folder = None if cache is None else fmt.cache_folder(cache)
     existing_bytes, up_to_date = _existing(folder, listing, opts)
     memory = psutil.virtual_memory()
     return CachePlan(

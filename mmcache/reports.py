@@ -77,6 +77,7 @@ class BuildReport:
     skipped: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    other_files: dict[str, int] = field(default_factory=dict)
 
     @property
     def images_per_second(self) -> float:

@@ -40,7 +40,10 @@ from .probe import probe_size, sniff_format
 
 __all__ = ["IMAGE_EXTENSIONS", "Listing", "ListingDiff", "diff_listings", "scan_source"]
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+# torchvision's IMG_EXTENSIONS, and .pbm, which OpenCV reads with .ppm and .pgm (Netpbm).
+IMAGE_EXTENSIONS = (
+    ".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".bmp", ".tif", ".tiff", ".webp",
+)  # fmt: skip
 
 
 def is_image_file(name: str) -> bool:
@@ -61,6 +64,8 @@ class Listing:
     mtimes: np.ndarray
     # Folders below the root left out because they hold an mmcache cache, relative to it.
     ignored: list[str] = field(default_factory=list)
+    # Files of a folder source left out as not images: their count by extension ("" for none).
+    other_files: dict[str, int] = field(default_factory=dict)
     # ``{"path", "reason"}`` for each file that is another listed file under another label
     # (a link from one class folder into another): kept, as ImageFolder keeps it, but said.
     warnings: list[dict[str, str]] = field(default_factory=list)
@@ -151,12 +156,13 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
     except OSError as e:
         raise SourceError(f"{root}: cannot read the folder ({e.strerror})") from None
     ignored: list[str] = []
+    others: dict[str, int] = {}
     class_dirs = [d for d in subdirs if not _holds_cache(root / d, d, ignored)]
     if class_dirs:
         classes = class_dirs
         paths, labels, empty = [], [], []
         for label, name in enumerate(classes):
-            found = _walk_images(root, name, ignored)
+            found = _walk_images(root, name, ignored, others)
             if not found:
                 empty.append(name)
             paths += found
@@ -171,7 +177,7 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
             )
     else:
         classes = [root.name or "images"]
-        paths = _walk_images(root, "", ignored)
+        paths = _walk_images(root, "", ignored, others)
         labels = [0] * len(paths)
     if not paths:
         what = "its class folders" if class_dirs else "it"
@@ -180,6 +186,7 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
         )
     listing = _with_stats(root, "folder", None, classes, paths, labels)
     listing.ignored = ignored
+    listing.other_files = dict(sorted(others.items(), key=lambda kv: (-kv[1], kv[0])))
     return listing
 
 
@@ -216,8 +223,9 @@ def _holds_cache(folder: Path, rel: str, ignored: list[str]) -> bool:
     return False
 
 
-def _walk_images(root: Path, top: str, ignored: list[str]) -> list[str]:
-    """Image paths below ``root/top``, relative to root, in torchvision's order."""
+def _walk_images(root: Path, top: str, ignored: list[str], others: dict[str, int]) -> list[str]:
+    """Image paths below ``root/top``, relative to root, in torchvision's order; the files
+    that are not images counted in ``others`` by extension."""
     found: list[tuple[str, list[str]]] = []
     seen: set[tuple[int, int]] = set()
     stack = [top]
@@ -246,6 +254,9 @@ def _walk_images(root: Path, top: str, ignored: list[str]) -> list[str]:
                     stack.append(child)
                 elif is_image_file(e.name):
                     files.append(e.name)
+                else:
+                    ext = os.path.splitext(e.name)[1].lower()
+                    others[ext] = others.get(ext, 0) + 1
             except OSError:
                 continue
         found.append((rel_dir, sorted(files)))
@@ -368,12 +379,12 @@ def _with_stats(
         labels=label_array,
         sizes=sizes,
         mtimes=mtimes,
-        warnings=_under_two_labels(files, paths, label_array, classes),
+        warnings=_under_two_labels(root, files, paths, label_array, classes),
     )
 
 
 def _under_two_labels(
-    files: np.ndarray, paths: list[str], labels: np.ndarray, classes: list[str]
+    root: Path, files: np.ndarray, paths: list[str], labels: np.ndarray, classes: list[str]
 ) -> list[dict[str, str]]:
     """A warning for each listed file that an earlier listed path reaches under another label:
     one image that would be trained as two classes (a link from one class folder to another)."""
@@ -392,12 +403,22 @@ def _under_two_labels(
     return [
         {
             "path": paths[b],
-            "reason": f"the same file as {paths[a]} (a link), so one image is listed under two "
+            "reason": f"{_how_one(root, paths[a], paths[b])}, so one image is listed under two "
             f"classes, {classes[labels[a]]!r} and {classes[labels[b]]!r}; both are kept, as "
             "torchvision's ImageFolder keeps them",
         }
         for a, b in sorted(found, key=lambda pair: pair[1])
     ]
+
+
+def _how_one(root: Path, first: str, second: str) -> str:
+    """How listed path ``second`` came to be the file ``first`` is: the same path listed
+    twice (in a list file), a symbolic link on the way, or a hard link."""
+    a, b = (os.path.join(root, p) for p in (first, second))
+    if os.path.normpath(a) == os.path.normpath(b):
+        return f"listed twice (as {first})" if first != second else "listed twice"
+    link = any(os.path.realpath(p) != os.path.abspath(p) for p in (a, b))
+    return f"the same file as {first} ({'a link' if link else 'a hard link'})"
 
 
 @dataclass

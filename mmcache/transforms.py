@@ -7,7 +7,7 @@ fits; then the fallback: the centre crop of the whole image clamped to ``ratio``
 shorter side to ``size``, which on images stored at shorter side 256 is torchvision's
 ``Resize(256)`` + ``CenterCrop(224)`` (FFCV's ``CenterCropRGBImageDecoder`` means the same;
 torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing). ``CenterCrop`` is
-its 2.x name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
+its old name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
 ``Compose`` complete the usual pipelines. ``MultiCrop`` gives several views of each image (the
 multi-crop of SimCLR and DINO), each with its own box and flip.
 
@@ -44,15 +44,17 @@ very kernel torchvision's ``resize`` runs on uint8 tensors (torch's ``_upsample_
 writing straight into the output; ``"bicubic"`` antialiased is torch's ``_upsample_bicubic2d_aa``.
 With ``antialias=False``, or for the other names (which torchvision never antialiases), each
 name is OpenCV's kernel, the one a build with ``--interpolation`` of that name stores with
-(``"bilinear"``: ``INTER_LINEAR``). OpenCV's 2.x names ``"linear"`` and ``"cubic"`` still work
+(``"bilinear"``: ``INTER_LINEAR``). The old (OpenCV's) names ``"linear"`` and ``"cubic"`` still work
 for one release, with a ``FutureWarning``, as ``"bilinear"`` and ``"bicubic"`` without
 antialiasing. docs/training.md gives how far each is from torchvision's, and how fast.
 
 A crop whose output is larger than the largest box it can take of a stored image (the whole
 image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterResizedCrop``)
-upscales that image: part of what the crop means, but over a whole cache most likely a cache
+upscales that image: part of what the crop means, but over a whole cache possibly a cache
 built too small (``--short-side 128`` cropped to 224). Each crop warns once per output size
-(``UserWarning``), naming the sizes and the ``--short-side`` that avoids it.
+(``UserWarning``): which images, by how much, and, over a cache (``UpscaleCause``), whether its
+size option or the source made them small, with a rebuild command only for the former
+(docs/training.md).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cv2
@@ -90,21 +93,58 @@ DRAWS = 2 * TRIES + 3
 
 def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     """torchvision's convention: an int is a square, a pair is (height, width)."""
+    what = f"size must be an int or (height, width) of positive ints, got {size!r}"
     if isinstance(size, int | np.integer):
         pair: tuple[int, ...] = (int(size), int(size))
-    else:
+    elif isinstance(size, Sequence) and all(isinstance(v, int | np.integer) for v in size):
         pair = tuple(int(v) for v in size)
+    else:
+        raise TypeError(what)
     if len(pair) != 2 or min(pair) < 1:
-        raise ValueError(f"size must be an int or (height, width) of positive ints, got {size!r}")
+        raise ValueError(what)
     return pair[0], pair[1]
 
 
 def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
-    """``(interpolation, antialias)`` in today's names: a 2.x name (OpenCV's, which never
+    """``(interpolation, antialias)`` in today's names: an old name (OpenCV's, which never
     antialiased) warns and becomes the new name without antialiasing."""
     if interpolation in RENAMED:
         antialias = False
     return interpolation_name(interpolation, what, stacklevel=4), bool(antialias)
+
+
+@dataclass(frozen=True)
+class UpscaleCause:
+    """What a cache's size option did to its images, for the upscale warning."""
+
+    sized: np.ndarray  # per record: True where the option set its stored size (shrank it)
+    flags: str  # the option, as ``mmcache build`` flags ("--short-side 256"), or ""
+    rebuild: Callable[[int], str]  # how to make the cache again at a shorter side
+
+
+def _upscale_cause(small: np.ndarray, needed: int, cache: UpscaleCause | None) -> str:
+    """Why the ``small`` images (a mask over the records) are small, and what would help."""
+    if cache is None:  # an image alone: nothing is known of where it comes from
+        return ""
+    if not cache.flags:
+        return (
+            "the cache holds the source images' sizes: they are that small in the source "
+            "(crop smaller, or accept the upscaling)"
+        )
+    by_cache = int(np.count_nonzero(small & cache.sized))
+    by_source = int(np.count_nonzero(small)) - by_cache
+    parts = []
+    if by_cache:
+        parts.append(
+            f"{by_cache} of them the cache's {cache.flags} made that small: "
+            f"{cache.rebuild(needed)}, or crop smaller"
+        )
+    if by_source:
+        parts.append(
+            f"{by_source} of them are that small in the source ({cache.flags} never enlarges; "
+            "a rebuild would not change them)"
+        )
+    return "; ".join(parts)
 
 
 class _Crop:
@@ -122,40 +162,50 @@ class _Crop:
         return min(self.size)
 
     def warn_if_upscaling(
-        self, shapes: np.ndarray, advice: str | None = None, stacklevel: int = 2
+        self, shapes: np.ndarray, cache: UpscaleCause | None = None, stacklevel: int = 2
     ) -> None:
         """Warn (``UserWarning``, once per output size) if any of the images of ``shapes``
-        (rows of height, width, ...) is too small for this crop's output: see the module
-        docstring. ``advice``: what to do, for the cache the images come from (by default,
-        what to do if it was built too small). ``BatchLoader`` calls it with its cache's shapes
-        at each iteration."""
+        (rows of height, width, ...) is too small for this crop's output: which, by how much,
+        and (given ``cache``, what the cache's size option did to them) whether the cache or
+        the source is the cause, with a rebuild command only where a rebuild helps. See the
+        module docstring. ``MemmapImageDataset`` and ``BatchLoader`` call it with their cache."""
         if self._upscale_warned == self.size or not len(shapes):
             return
         shorter = np.asarray(shapes)[:, :2].min(axis=1)
         needed = self.short_side_needed()
-        small = int(np.count_nonzero(shorter < needed))
-        if not small:
+        small = shorter < needed
+        if not small.any():
             return
         self._upscale_warned = self.size
         h, w = self.size
+        smallest = int(shorter.min())
+        factor = f"{needed / smallest:.3g}x"
         if len(shorter) == 1:
-            which = f"an image of shorter side {int(shorter[0])}, under {needed}, is"
+            facts = (
+                f"an image of shorter side {smallest}, under {needed}, is upscaled to {h}x{w} "
+                f"({factor})"
+            )
         else:
-            which = (
-                f"{small} of {len(shorter)} stored images have a shorter side under {needed} "
-                f"(the smallest: {int(shorter.min())}), so they are"
+            facts = (
+                f"{int(small.sum())} of {len(shorter)} stored images have a shorter side under "
+                f"{needed} (the smallest: {smallest}): upscaled to {h}x{w}, up to {factor}"
             )
-        if advice is None:
-            advice = (
-                "if the cache was built with a smaller --short-side (or --max-side, --size), "
-                f"rebuild it with `mmcache build SOURCE CACHE --short-side {needed} --replace`; "
-                "else the source images are that small: crop smaller, or accept the upscaling"
-            )
+        cause = _upscale_cause(small, needed, cache)
         warnings.warn(
-            f"{type(self).__name__}({h}x{w}): {which} upscaled to {h}x{w}; {advice}",
+            f"{type(self).__name__}({h}x{w}): {facts}" + (f"; {cause}" if cause else ""),
             UserWarning,
             stacklevel=stacklevel + 1,
         )
+
+    def __repr__(self) -> str:
+        # torchvision's form: the class and the arguments that make it again.
+        args = {"size": self.size, **self._arguments(), "interpolation": self.interpolation,
+                "antialias": self.antialias}  # fmt: skip
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+
+    def _arguments(self) -> dict[str, Any]:
+        """The arguments particular to this crop, for ``__repr__``."""
+        return {}
 
     @property
     def kernel(self) -> tuple[str, bool]:
@@ -271,6 +321,9 @@ class RandomResizedCrop(_Crop):
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
 
+    def _arguments(self) -> dict[str, Any]:
+        return {"scale": self.scale, "ratio": tuple(round(r, 4) for r in self.ratio)}
+
     def box(self, height: int, width: int, u: Sequence[float] = ()) -> tuple[int, int, int, int]:
         # torchvision's get_params, try by try, with the try's two numbers in u[k] and
         # u[TRIES + k] and the corner's two in u[2 * TRIES] and u[2 * TRIES + 1].
@@ -323,6 +376,9 @@ class CenterResizedCrop(_Crop):
             raise ValueError(f"ratio must be within (0, 1], got {ratio}")
         self.ratio = float(ratio)
 
+    def _arguments(self) -> dict[str, Any]:
+        return {"ratio": self.ratio}
+
     def short_side_needed(self) -> int:
         return math.ceil(min(self.size) / self.ratio - 1e-9)  # a quotient a hair above an int
 
@@ -333,7 +389,7 @@ class CenterResizedCrop(_Crop):
 
 
 class CenterCrop(CenterResizedCrop):
-    """``CenterResizedCrop`` under its 2.x name, which means a plain crop to torchvision users:
+    """``CenterResizedCrop`` under its old name, which means a plain crop to torchvision users:
     deprecated, it warns (``FutureWarning``) and goes in the next major release."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -352,7 +408,12 @@ class RandomHorizontalFlip:
     left to right with probability ``p`` (torch's generator, one number per call)."""
 
     def __init__(self, p: float = 0.5) -> None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"p must be within [0, 1], got {p!r}")
         self.p = float(p)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(p={self.p})"
 
     def __call__(self, sample: Any) -> Any:
         img, target = _unpaired(sample)
@@ -371,6 +432,11 @@ class Compose:
     def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
         self.transforms = list(transforms)
 
+    def __repr__(self) -> str:
+        # torchvision's form: one transform a line
+        lines = "".join(f"\n    {t!r}" for t in self.transforms)
+        return f"{type(self).__name__}({lines}\n)"
+
     def __call__(self, x: Any) -> Any:
         for t in self.transforms:
             x = t(x)
@@ -382,14 +448,36 @@ _NO_TARGET: Any = object()
 
 
 def _unpaired(sample: Any) -> tuple[np.ndarray, Any]:
-    """``(image, target)`` of an ``(image, target)`` tuple, ``(image, _NO_TARGET)`` of an image."""
+    """``(image, target)`` of an ``(image, target)`` tuple, ``(image, _NO_TARGET)`` of an image.
+
+    Raises:
+        TypeError: the image is not an H x W x C numpy array (a PIL image, a tensor).
+    """
     if not isinstance(sample, tuple):
-        return sample, _NO_TARGET
+        return _image(sample), _NO_TARGET
     if len(sample) != 2:
         raise ValueError(
             f"a transform takes an image or an (image, target) pair, got a tuple of {len(sample)}"
         )
-    return sample[0], sample[1]
+    return _image(sample[0]), sample[1]
+
+
+def _image(img: Any) -> np.ndarray:
+    """``img`` if it is what the transforms take, an H x W (x C) numpy array, else TypeError
+    saying how to give it (the transforms run before any ToTensor, on the stored arrays)."""
+    if isinstance(img, np.ndarray) and img.ndim in (2, 3):
+        return img
+    expected = "mmcache's transforms take an H x W x C numpy array (what MemmapImageDataset reads)"
+    if type(img).__module__.startswith("PIL."):
+        found = "a PIL image: np.asarray(image) gives the array"
+    elif isinstance(img, torch.Tensor):
+        found = (
+            f"a torch.Tensor of shape {tuple(img.shape)}: apply them before ToTensor, or give "
+            "tensor.permute(1, 2, 0).numpy() for a C x H x W one"
+        )
+    else:
+        found = f"{type(img).__name__} of shape {getattr(img, 'shape', None)}"
+    raise TypeError(f"{expected}, got {found}")
 
 
 # A view's parameters, as ``MultiCrop(return_params=True)`` and ``BatchLoader(return_params=True)``
@@ -449,6 +537,10 @@ class MultiCrop:
         self.views = [(crop, int(n)) for crop, n in views]
         self.flip, self.return_params = bool(flip), bool(return_params)
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(views={self.views!r}, flip={self.flip}, "
+                f"return_params={self.return_params})")  # fmt: skip
+
     def __call__(self, img: np.ndarray) -> Any:
         """The views of ``img`` (a list of new arrays), with ``return_params`` and their
         parameters; boxes and flips drawn from torch's generator.
@@ -462,6 +554,7 @@ class MultiCrop:
                 "MultiCrop takes an image, not an (image, target) pair: views of a cache with "
                 "masks or boxes are not supported"
             )
+        img = _image(img)
         params = []
         for crop in self.crops:
             top, left, height, width = crop.draw(*img.shape[:2])
@@ -486,6 +579,18 @@ class MultiCrop:
                 cv2.flip(out, 1, dst=out)
             views.append(out)
         return views
+
+
+def crops_in(transform: Any) -> list[Any]:
+    """This module's crops that ``transform`` applies: itself, those of a ``Compose`` (nested
+    too), a ``MultiCrop``'s views."""
+    if isinstance(transform, _Crop):
+        return [transform]
+    if isinstance(transform, MultiCrop):
+        return list(dict.fromkeys(transform.crops))
+    if isinstance(transform, Compose):
+        return [crop for t in transform.transforms for crop in crops_in(t)]
+    return []
 
 
 def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:

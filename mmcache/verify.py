@@ -151,7 +151,7 @@ def repair_cache(
         >>> report.ok, [(b.path, b.what) for b in report.unrepaired]  # doctest: +SKIP
     """
     start = time.perf_counter()
-    folder = Path(cache).expanduser().absolute()
+    folder = fmt.cache_folder(cache)
     fmt.read_manifest(folder)  # no cache there: its error, before the lock file is made
     with writer_lock(folder):
         files = fmt.open_cache(folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import cv2
@@ -90,6 +91,20 @@ def test_palette_masks_are_read_as_their_indices(tmp_path):
     for i in range(3):
         np.testing.assert_array_equal(a[i][1]["mask"], b[i][1]["mask"])
         assert b[i][1]["mask"].max() < 4
+
+
+def test_without_pillow_a_palette_mask_is_skipped_with_an_install_that_works(
+    tmp_path, monkeypatch
+):
+    # mmcache is not on a package index: the advice names pillow itself, or the checkout's extra
+    palette = make_segmentation_set(tmp_path / "pal", images=1, size=(16, 16), palette=True)
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL fails, as without Pillow
+    with pytest.raises(SourceError) as caught:
+        build_cache(palette[0], tmp_path / "b", masks=palette[1], workers=0)
+    assert 'pip install pillow (or, in a checkout of mmcache, pip install -e ".[masks]")' in str(
+        caught.value
+    )
+    assert "mmcache[masks]" not in str(caught.value)
 
 
 def test_sixteen_bit_masks_need_mask_dtype_uint16(seg, tmp_path):

@@ -471,3 +471,14 @@ def test_the_cli_s_defaults_are_the_library_s():
                 assert action.default == defaults[action.dest], (sub, action.dest)
                 compared += 1
     assert compared >= 12
+
+
+def test_printed_paths_have_no_dot_dot(small_folder, tmp_path, capsys):
+    # `mmcache build ../data ../cache` from a subfolder: the report names the folder itself
+    cache = tmp_path / "sub" / ".." / "c"
+    (tmp_path / "sub").mkdir()
+    assert main(["build", str(small_folder / "cat" / ".."), str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert ".." not in out and out.startswith(f"{tmp_path / 'c'}: 12 images")
+    assert main(["verify", str(cache)]) == 0
+    assert ".." not in capsys.readouterr().out

@@ -21,6 +21,7 @@ from mmcache import (
     InsufficientSpaceError,
     MemmapImageDataset,
     build_cache,
+    cli,
     compact_cache,
     verify_cache,
 )
@@ -178,5 +179,19 @@ def test_a_read_only_destination_is_a_clear_error(source, tmp_path, tally):
                 build_cache(source.roots["B"], cache, workers=1, source_moved=True)
             assert served_by(cache, source, {"A"}) == "A"  # reading needs no write
             tally["read-only destinations survived"] += 1
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+
+
+def test_an_up_to_date_cache_on_a_read_only_mount_builds_as_up_to_date(small_folder, tmp_path):
+    # a cache published read-only (a shared dataset mount): the routine `mmcache build` before
+    # a run has nothing to write, so it says "up to date" instead of failing
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        cache = disk / "cache"
+        build_cache(small_folder, cache, workers=1)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        try:
+            assert build_cache(small_folder, cache, workers=1).up_to_date
+            assert cli.main(["build", str(small_folder), str(cache), "-q"]) == 0
         finally:
             subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)

@@ -363,6 +363,18 @@ def src_with_bad(tmp_path: Path) -> Path:
     return root
 
 
+def test_a_truncated_jpeg_filled_lazily_prints_nothing_the_error_says_it(tmp_path, capfd):
+    # libjpeg's own "Premature end of JPEG file" went to the filling process's stderr,
+    # unprefixed; the record is refused as truncated before libjpeg reads it
+    root = make_folder(tmp_path / "src", {"a": [(64, 64)] * 2})
+    data = (root / "a" / "img_001.jpg").read_bytes()
+    (root / "a" / "img_001.jpg").write_bytes(data[: len(data) * 2 // 3])
+    ds = MemmapImageDataset(tmp_path / "cache", source=root, size=(8, 8))
+    with pytest.raises(DecodeError, match=r"img_001\.jpg: truncated: the file ends before"):
+        ds[1]
+    assert "Premature end" not in capfd.readouterr().err
+
+
 def test_a_bad_file_raises_by_default(src_with_bad, tmp_path):
     # With size= the record's shape needs no header, so the bad file gets a record, found bad
     # when it is read (without size=, it is decoded at creation and left out, as a build does).

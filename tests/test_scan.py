@@ -190,8 +190,17 @@ def test_a_file_linked_from_one_class_folder_into_another_is_listed_twice_and_sa
     assert listing.paths == ["cat/a.jpg", "cat/b.jpg", "cat/b2.jpg", "dog/a.jpg", "dog/c.jpg"]
     assert [w["path"] for w in listing.warnings] == ["dog/a.jpg"]
     reason = listing.warnings[0]["reason"]
-    assert reason.startswith("the same file as cat/a.jpg") and "'cat' and 'dog'" in reason
+    assert reason.startswith("the same file as cat/a.jpg (a link)") and "'cat' and 'dog'" in reason
     assert "\n" not in reason
+
+
+def test_a_path_listed_twice_is_said_to_be_listed_twice_not_a_link(tmp_path):
+    write_image(tmp_path / "a.jpg", 8, 8)
+    os.link(tmp_path / "a.jpg", tmp_path / "hard.jpg")
+    (tmp_path / "list.txt").write_text("a.jpg,cat\na.jpg,dog\nhard.jpg,emu\n")
+    reasons = [w["reason"] for w in scan_source(tmp_path / "list.txt").warnings]
+    assert reasons[0].startswith("listed twice, so one image is listed under two classes, 'cat'")
+    assert reasons[1].startswith("the same file as a.jpg (a hard link), so one image")
 
 
 def test_a_folder_linked_into_another_class_is_said_for_each_file(tmp_path):
@@ -199,3 +208,34 @@ def test_a_folder_linked_into_another_class_is_said_for_each_file(tmp_path):
     write_image(tmp_path / "dog" / "c.jpg", 8, 8)
     os.symlink("../cat", tmp_path / "dog" / "cats")
     assert [w["path"] for w in scan_source(tmp_path).warnings] == ["dog/cats/a.jpg"]
+
+
+def test_netpbm_images_are_read_and_other_files_are_counted_by_extension(tmp_path, capsys):
+    # GTSRB ships .ppm: torchvision's IMG_EXTENSIONS (with .pgm), and OpenCV's .pbm, are
+    # images; a folder of only those is a class, and its other files are counted in one line
+    import cv2
+    import numpy as np
+
+    from mmcache import MemmapImageDataset, build_cache, cli
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "src" / "00000"
+    folder.mkdir(parents=True)
+    for ext in (".ppm", ".pgm", ".pbm"):
+        img = rng.integers(0, 2, (9, 7, 3), dtype=np.uint8) * 255
+        ok, buf = cv2.imencode(ext, img if ext == ".ppm" else img[:, :, 0])
+        (folder / f"img{ext}").write_bytes(buf.tobytes())
+    for name in ("GT.csv", "notes.txt", "more.txt", "README"):
+        (folder / name).write_text("x")
+    listing = scan_source(tmp_path / "src")
+    assert listing.paths == ["00000/img.pbm", "00000/img.pgm", "00000/img.ppm"]
+    assert listing.other_files == {".txt": 2, "": 1, ".csv": 1}
+    report = build_cache(tmp_path / "src", tmp_path / "c", workers=1)
+    assert report.other_files == listing.other_files
+    ds = MemmapImageDataset(tmp_path / "c")
+    for (path, _), (image, _) in zip(ds.samples, ds):
+        assert np.array_equal(image, cv2.imread(path)[:, :, ::-1])
+    assert cli.main(["build", str(tmp_path / "src"), str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "  4 files ignored (not images by their extension): .txt (2), (no extension) (1), .csv (1)"
+    )

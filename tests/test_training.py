@@ -19,9 +19,12 @@ from torch.utils.data import DataLoader
 from mmcache import (
     BatchLoader,
     CenterResizedCrop,
+    Compose,
     MemmapImageDataset,
     MixedShapesError,
+    MultiCrop,
     QuasiRandomSampler,
+    RandomHorizontalFlip,
     RandomResizedCrop,
     StateMismatchError,
     build_cache,
@@ -265,8 +268,8 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
         list(loader)
     assert [str(w.message) for w in caught] == [
         "RandomResizedCrop(64x64): 24 of 60 stored images have a shorter side under 64 (the "
-        "smallest: 50), so they are upscaled to 64x64; the cache holds the source images' "
-        "sizes: crop smaller, or accept the upscaling"
+        "smallest: 50): upscaled to 64x64, up to 1.28x; the cache holds the source images' "
+        "sizes: they are that small in the source (crop smaller, or accept the upscaling)"
     ]
     list(loader)  # once: the next epoch says nothing (pytest makes warnings errors)
     # a cache built too small: the warning gives the command that rebuilds it, which works
@@ -277,12 +280,47 @@ def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cach
     command = f"mmcache build {src} {small} --short-side 48 --replace"
     assert str(caught[0].message) == (
         "CenterResizedCrop(42x42): 60 of 60 stored images have a shorter side under 48 (the "
-        "smallest: 40), so they are upscaled to 42x42; the cache was made with --short-side 40: "
-        f"rebuild it with `{command}` (images smaller in the source stay as they are), or crop "
-        "smaller"
+        "smallest: 40): upscaled to 42x42, up to 1.2x; 60 of them the cache's --short-side 40 "
+        f"made that small: rebuild it with `{command}`, or crop smaller"
     )
     assert cli.main(command.split()[1:]) == 0
     list(BatchLoader(MemmapImageDataset(small), 8, crop=CenterResizedCrop(42)))
+
+
+def test_the_upscale_warning_blames_small_sources_not_the_cache_and_says_it_once(tmp_path, capfd):
+    # a --short-side 256 cache whose small sources (90, 100 px) upscale: the cause is the
+    # source, and rebuilding at --short-side 112 (shrinking every image) or 256 (the option the
+    # cache already has) would not help, so no command is advised
+    sizes = [(300, 280), (90, 100), (400, 300), (260, 600), (100, 120)]
+    src = make_folder(tmp_path / "src", {"a": sizes})
+    build_cache(src, tmp_path / "c", short_side=256, workers=1)
+    for crop, needed in [(RandomResizedCrop(112), 112), (CenterResizedCrop(224), 256)]:
+        with pytest.warns(UserWarning) as caught:
+            MemmapImageDataset(tmp_path / "c", transform=Compose([crop]))
+        assert [str(w.message) for w in caught] == [
+            f"{type(crop).__name__}({crop.size[0]}x{crop.size[1]}): 2 of 5 stored images have a "
+            f"shorter side under {needed} (the smallest: 90): upscaled to "
+            f"{crop.size[0]}x{crop.size[1]}, up to {needed / 90:.3g}x; 2 of them are that small "
+            "in the source (--short-side 256 never enlarges; a rebuild would not change them)"
+        ]
+    # a crop larger than the cache's side: the 3 images it shrank can be rebuilt larger
+    with pytest.warns(UserWarning) as caught:
+        MemmapImageDataset(tmp_path / "c", transform=CenterResizedCrop(280))
+    command = f"mmcache build {src} {tmp_path / 'c'} --short-side 320 --replace"
+    assert str(caught[0].message).endswith(
+        f"3 of them the cache's --short-side 256 made that small: rebuild it with `{command}`, "
+        "or crop smaller; 2 of them are that small in the source (--short-side 256 never "
+        "enlarges; a rebuild would not change them)"
+    )
+    # warned in the parent as the dataset is made; its DataLoader workers, forked or spawned,
+    # say nothing more (a forked worker inherits pytest's warnings-are-errors; a spawned one
+    # would print it to the stderr it shares)
+    with pytest.warns(UserWarning, match="upscaled"):
+        ds = MemmapImageDataset(tmp_path / "c", transform=RandomResizedCrop(112))
+    for context in ("fork", "spawn"):
+        loader = DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context=context)
+        assert next(iter(loader))[0].shape == (5, 112, 112, 3)
+        assert "upscaled" not in capfd.readouterr().err
 
 
 def test_progressive_resizing_remakes_the_buffers_only_when_the_size_changes(ds):
@@ -409,3 +447,30 @@ def test_resume_works_per_rank_under_torch_distributed(cache, tmp_path):
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["ok"] for r in results)
     assert results[0]["first"] != results[1]["first"]  # each rank has its own share and crops
+
+
+def test_the_dataset_the_loader_and_the_transforms_say_what_they_are(cache):
+    crop = RandomResizedCrop(32)
+    assert repr(crop) == (
+        "RandomResizedCrop(size=(32, 32), scale=(0.08, 1.0), ratio=(0.75, 1.3333), "
+        "interpolation='bilinear', antialias=True)"
+    )
+    assert repr(CenterResizedCrop((24, 32), antialias=False)) == (
+        "CenterResizedCrop(size=(24, 32), ratio=0.875, interpolation='bilinear', antialias=False)"
+    )
+    flip = RandomHorizontalFlip()
+    assert repr(Compose([crop, flip])) == f"Compose(\n    {crop!r}\n    {flip!r}\n)"
+    assert repr(flip) == "RandomHorizontalFlip(p=0.5)"
+    assert repr(MultiCrop([(crop, 2)])) == (
+        f"MultiCrop(views=[({crop!r}, 2)], flip=True, return_params=False)"
+    )
+    ds = MemmapImageDataset(cache, transform=Compose([crop]))
+    assert repr(ds) == (
+        f"MemmapImageDataset\n    Number of images: 60\n    Classes: 3\n    Cache: {cache} (built)"
+        f"\n    Transform: Compose(\n        {crop!r}\n    )"
+    )
+    loader = BatchLoader(MemmapImageDataset(cache), 8, shuffle=True, crop=crop)
+    assert repr(loader) == (
+        f"BatchLoader(cache={str(cache)!r}, batch_size=8, shuffle=True, crop={crop!r}, "
+        "flip=False, device='cpu', num_threads=2)"
+    )
