@@ -86,6 +86,11 @@ class Options:
     decode at all.
     ``mask``: the dtype each record's segmentation mask is stored in (``"uint8"`` or
     ``"uint16"``), set by a build with masks (``masks=``); None: records carry no mask.
+    ``exif_orientation`` (on by default, as ``cv2.imread``): the EXIF orientation is applied;
+    off, the pixels are read as the file stores them (``cv2.IMREAD_IGNORE_ORIENTATION``), as
+    PIL and torchvision read them and as masks and boxes are drawn on them: a build with
+    masks or COCO boxes sets it off (recorded in the manifest's options as
+    ``"exif_orientation": false``), so that each annotation lines up with its pixels.
     """
 
     size: tuple[int, int] | None = None
@@ -98,6 +103,7 @@ class Options:
     pixels: str = "rgb"
     keep_truncated: bool = False
     mask: str | None = None
+    exif_orientation: bool = True
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -143,6 +149,8 @@ class Options:
             del d["pixels"]
         if self.mask is None:
             del d["mask"]
+        if self.exif_orientation:
+            del d["exif_orientation"]
         return d
 
     @classmethod
@@ -179,7 +187,9 @@ class Options:
 
     def describe(self) -> str:
         """``flags()``, or ``"the defaults (native size, RGB)"``: for messages."""
-        return self.flags() or "the defaults (native size, RGB)"
+        words = self.flags() or "the defaults (native size, RGB)"
+        # No flag of its own: --masks and --coco imply it.
+        return words if self.exif_orientation else words + ", EXIF orientation not applied"
 
     def output_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""
@@ -230,7 +240,9 @@ def preprocess(
 
 
 def read_flags(options: Options) -> int:
-    return cv2.IMREAD_GRAYSCALE if options.color == "gray" else cv2.IMREAD_COLOR
+    """``cv2.imread``'s flags for ``options``: colour or gray, EXIF orientation applied or not."""
+    flags = cv2.IMREAD_GRAYSCALE if options.color == "gray" else cv2.IMREAD_COLOR
+    return flags if options.exif_orientation else flags | cv2.IMREAD_IGNORE_ORIENTATION
 
 
 _REDUCED_FLAGS = {
@@ -263,13 +275,16 @@ def read_image(
         if name is None:
             return None, None
         if options.reduced_decode and jpeg:
-            native = probe_size(name)
+            native = probe_size(name, options.exif_orientation)
             if native is not None:
                 oh, ow, _ = options.output_shape(*native)
                 for factor in (8, 4, 2):
                     if native[0] // factor >= oh and native[1] // factor >= ow:
                         kind = "gray" if options.color == "gray" else "color"
-                        img = cv2.imread(name, _REDUCED_FLAGS[kind][factor])
+                        flags = _REDUCED_FLAGS[kind][factor]
+                        if not options.exif_orientation:
+                            flags |= cv2.IMREAD_IGNORE_ORIENTATION
+                        img = cv2.imread(name, flags)
                         return img, native
         img = cv2.imread(name, read_flags(options))
     return img, None if img is None else img.shape[:2]
