@@ -286,8 +286,8 @@ def _read_coco(
         if im is not None:
             record_of[im.get("id")] = i
     image_ids = {im.get("id") for im in images}
-    paired = {id(by_name.get(rel) or by_name.get(os.path.basename(rel))) for rel in paths}
-    missing = [str(im["file_name"]) for im in images if id(im) not in paired]
+    listed = set(paths) | {os.path.basename(rel) for rel in paths}  # as by_name is looked up
+    missing = [name for name in map(str, by_name) if name not in listed]
     unknown: dict[Any, None] = {}
     orphans = 0
     n = len(paths)

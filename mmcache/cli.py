@@ -288,7 +288,8 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     if report.compaction_deferred:
         out(f"  not compacted: {report.compaction_deferred}")
     if not report.up_to_date:
-        _print_skipped(report.skipped, out)
+        for line in _skipped_lines(report.skipped):
+            out("  " + line)
         for line in _unpaired_lines(report):
             out("  " + line)
     truncated = sum(s["reason"] == TRUNCATED for s in report.skipped)
@@ -303,9 +304,10 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(f"  ... {len(report.warnings) - 5:,} more warnings (see manifest.json)")
 
 
-def _print_skipped(skipped: list[dict[str, str]], out: Callable[[str], None]) -> None:
+def _skipped_lines(skipped: list[dict[str, Any]]) -> list[str]:
     """One line per skipped file, but one line for the files of a reason more than three share
-    (VOC's images without a mask: most of JPEGImages), with their count and first few names."""
+    (VOC's images without a mask: most of JPEGImages), with their count and first few names;
+    20 lines at most."""
     by_reason: dict[str, list[str]] = {}
     for s in skipped:
         by_reason.setdefault(s["reason"], []).append(s["path"])
@@ -320,10 +322,9 @@ def _print_skipped(skipped: list[dict[str, str]], out: Callable[[str], None]) ->
                 " (a `path,label` list of the images with a mask, as the source, builds "
                 "them alone: docs/annotations.md)"
             )
-    for line in lines[:20]:
-        out("  " + line)
     if len(lines) > 20:
-        out(f"  ... and {len(lines) - 20:,} more lines (see manifest.json)")
+        lines[20:] = [f"... and {len(lines) - 20:,} more lines (see manifest.json)"]
+    return lines
 
 
 def _first_few(names: Sequence[object]) -> str:
@@ -744,11 +745,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"{human_bytes(info.ram_available)} available",
         f"source:     {source}",
     ]
-    lines += [
-        f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}" for s in info.skipped[:20]
-    ]
-    if len(info.skipped) > 20:
-        lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
+    lines += ["  " + line for line in _skipped_lines(info.skipped)]
     lines += [
         f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}" for w in info.warnings[:5]
     ]

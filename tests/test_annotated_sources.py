@@ -201,6 +201,9 @@ def test_a_voc_layout_s_maskless_images_cost_no_space_and_one_line(tmp_path, cap
     out = capsys.readouterr().out
     assert "up to date" in out and "9 skipped, see `mmcache info`" in out
     assert "2007_000001" not in out
+    assert main(["info", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("2007_000001") == 1 and "  9 skipped, no mask for it in " in out
     # The docs' way to build the annotated images alone: VOC's own list, as a list file.
     stems = sorted(p.stem for p in masks.iterdir())
     (tmp_path / "VOC2012" / "segmentation.csv").write_text(
