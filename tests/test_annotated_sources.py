@@ -224,9 +224,15 @@ def test_a_first_build_leaves_no_garbage_for_files_found_bad_when_decoded(tmp_pa
     report = build_cache(src, tmp_path / "c", workers=0)
     assert [s["path"] for s in report.skipped] == ["a.jpg"]
     assert report.garbage_bytes == 0
+    # A refresh appends none either: the records it adds close over the new bad file's place.
+    shutil.copy(testimages / "truncated_jpeg.jpg", src / "b0.jpg")
+    shutil.copy(testimages / "hopper.jpg", src / "b1.jpg")
+    report = build_cache(src, tmp_path / "c", workers=0)
+    assert report.appended and (report.decoded, report.reused) == (1, 2)
+    assert report.garbage_bytes == 0
     ds = MemmapImageDataset(tmp_path / "c")
     want = cv2.cvtColor(cv2.imread(str(src / "b.jpg")), cv2.COLOR_BGR2RGB)
-    for i in range(2):
+    for i in range(3):
         np.testing.assert_array_equal(ds[i][0], want)
     # A mask that does not fit is found only when decoded: no garbage either.
     jpegs, masks = voc_like(tmp_path / "voc", images=6, masked=6)
