@@ -3,9 +3,10 @@
 The reference is OpenCV: ``cv2.imread(path, cv2.IMREAD_COLOR)`` (``IMREAD_GRAYSCALE`` for gray),
 then ``cv2.resize`` to the size the options give, then ``cv2.cvtColor`` to RGB. OpenCV applies
 EXIF orientation, drops alpha, reduces 16-bit to 8-bit and makes CMYK and gray 3-channel; so does
-the cache, because it calls the same functions. ``cv2.imread`` is used rather than
-``cv2.imdecode``: on a truncated JPEG OpenCV 5 returns the partial image from ``imread`` but
-``None`` from ``imdecode``.
+the cache, because it calls the same functions (a build with masks or COCO boxes adds
+``cv2.IMREAD_IGNORE_ORIENTATION``: ``Options.exif_orientation``). ``cv2.imread`` is used rather
+than ``cv2.imdecode``: on a truncated JPEG OpenCV 5 returns the partial image from ``imread``
+but ``None`` from ``imdecode``.
 
 The file is opened here, and ``cv2.imread`` is given ``/proc/self/fd/N``, a name that reaches it
 whatever bytes its own name holds: OpenCV crashes (SIGSEGV) on a name that is not valid UTF-8,
