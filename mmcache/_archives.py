@@ -136,7 +136,7 @@ class Members:
         )  # fmt: skip
         return MEMBER_MARK + "\0".join(str(f) for f in fields)
 
-    def probe(self, i: int) -> tuple[int, int] | None:
+    def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
         """The (height, width) of member ``i`` from its header, as ``probe.probe_size``."""
         ref = parse_ref(self.ref(i))
         try:
@@ -145,14 +145,14 @@ class Members:
             return None
         try:
             if ref.method == _STORED:
-                return probe_region(fd, ref.offset, ref.length)
+                return probe_region(fd, ref.offset, ref.length, exif)
             data = _read_member(fd, ref)
         finally:
             os.close(fd)
         if isinstance(data, str):
             return None
         with _in_memory_file(data) as path:
-            return probe_size(path)
+            return probe_size(path, exif)
 
 
 @dataclass(frozen=True)
@@ -791,12 +791,12 @@ class RecordedMembers:
     def ref(self, i: int) -> str:
         return self._finder.ref(self._names[i], int(self._sizes[i]), int(self._mtimes[i]))
 
-    def probe(self, i: int) -> tuple[int, int] | None:
+    def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
         ref = self.ref(i)
         if is_gone(ref):
             return None
         with member_file(ref) as path:
-            return None if path is None else probe_size(path)
+            return None if path is None else probe_size(path, exif)
 
 
 @contextmanager

@@ -8,7 +8,8 @@ known only once it is decoded, and its record is then appended after the planned
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class Layout:
     pixels: np.ndarray  # (N,) int64 source pixels from the header (the decode cost); 0 = unknown
     record_layout: str = "rgb"  # how records store their pixels (Options.pixels)
     mask: str | None = None  # the dtype of each record's mask, if records carry one
+    # Why each record refused from its header for its annotations (state BAD_MASK) is.
+    reasons: dict[int, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> np.ndarray:
@@ -59,25 +62,53 @@ def layout_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, int]:
     return offsets, int(offsets[-1]) + int(sizes[-1])
 
 
-def plan_layout(listing: Listing, opts: Options) -> Layout:
-    """Shapes from headers (no decoding) and the offsets they give, in listing order."""
-    return layout_from_sizes(probe_sizes(listing), opts)
+def plan_layout(listing: Listing, opts: Options, skip: Collection[int] = ()) -> Layout:
+    """Shapes from headers (no decoding) and the offsets they give, in listing order; the
+    records ``skip`` (known to be left out: no mask, skipped before and unchanged) get no
+    place in the data file, and their headers are not read."""
+    n = len(listing)
+    left_out = np.zeros(n, bool)
+    left_out[list(skip)] = True
+    probed = np.flatnonzero(~left_out)
+    hw = np.zeros((n, 2), np.int64)
+    hw[probed] = probe_sizes(listing, records=probed, opts=opts)
+    reasons = refused_by_annotations(listing, probed, hw[probed])
+    left_out[list(reasons)] = True
+    layout = layout_from_sizes(hw, opts, left_out)
+    layout.state[list(reasons)] = fmt.BAD_MASK
+    layout.reasons = reasons
+    return layout
+
+
+def refused_by_annotations(listing: Listing, records: np.ndarray, hw: np.ndarray) -> dict[int, str]:
+    """Why each of ``records``, of native sizes ``hw`` from headers, cannot take its
+    annotations (a COCO size that is not the image's), for those that cannot."""
+    a = listing.annotations
+    if a is None or a.coco is None:
+        return {}
+    found = ((i, a.size_mismatch(i, size)) for i, size in zip(records.tolist(), hw))
+    return {i: reason for i, reason in found if reason is not None}
 
 
 def probe_sizes(
-    listing: Listing, progress: ProgressFn | None = None, records: np.ndarray | None = None
+    listing: Listing,
+    progress: ProgressFn | None = None,
+    records: np.ndarray | None = None,
+    opts: Options | None = None,
 ) -> np.ndarray:
     """Native ``(height, width)`` of each listed file (of ``records`` only, if given) from its
-    header; ``(0, 0)`` if unreadable."""
+    header, as ``opts`` decode it (EXIF orientation applied or not); ``(0, 0)`` if
+    unreadable."""
+    exif = opts is None or opts.exif_orientation
     records = np.arange(len(listing)) if records is None else records
     n = len(records)
     hw = np.zeros((n, 2), np.int64)
     for k, i in enumerate(records.tolist()):
         try:
             if listing.members is not None:  # an archive's member
-                size = listing.members.probe(i)
+                size = listing.members.probe(i, exif)
             else:
-                size = probe_size(listing.abspath(i))
+                size = probe_size(listing.abspath(i), exif)
         except OSError:
             size = None
         if size is not None:
@@ -110,24 +141,33 @@ def append_layout(
     base = previous.manifest.sizes["data"]
     added = np.array([i for i in range(n) if i not in kept and i not in skip], np.int64)
     data_bytes = base
+    reasons: dict[int, str] = {}
     if len(added):
-        part = layout_from_sizes(probe_sizes(listing, records=added), opts)
+        hw = probe_sizes(listing, records=added, opts=opts)
+        reasons = refused_by_annotations(listing, added, hw)
+        refused = np.isin(added, list(reasons))
+        part = layout_from_sizes(hw, opts, refused)
+        part.state[refused] = fmt.BAD_MASK
         start = aligned(base)
         shapes[added], state[added], pixels[added] = part.shapes, part.state, part.pixels
         offsets[added] = part.offsets + np.uint64(start)
         data_bytes = start + part.data_bytes if part.data_bytes else base
-    return Layout(shapes, offsets, data_bytes, state, pixels, opts.pixels, opts.mask)
+    layout = Layout(shapes, offsets, data_bytes, state, pixels, opts.pixels, opts.mask)
+    layout.reasons = reasons
+    return layout
 
 
-def layout_from_sizes(hw: np.ndarray, opts: Options) -> Layout:
-    """The layout of records of native sizes ``hw`` (as ``probe_sizes`` gives) under ``opts``."""
+def layout_from_sizes(hw: np.ndarray, opts: Options, left_out: np.ndarray | None = None) -> Layout:
+    """The layout of records of native sizes ``hw`` (as ``probe_sizes`` gives) under ``opts``;
+    records ``left_out`` (a mask) take no space."""
     n = len(hw)
     shapes = np.zeros((n, 3), np.int64)
     state = np.full(n, fmt.EMPTY, np.uint32)
-    known = hw[:, 0] > 0
+    placed = np.ones(n, bool) if left_out is None else ~left_out
+    known = (hw[:, 0] > 0) & placed
     if opts.size is not None:
         # The stored shape needs no header; decoding checks the rest (and the pixel limit).
-        shapes[~known] = opts.output_shape(1, 1)
+        shapes[~known & placed] = opts.output_shape(1, 1)
     too_large = known & (hw[:, 0] * hw[:, 1] > opts.max_pixels)
     state[too_large] = fmt.BAD_TOO_LARGE
     ok = known & ~too_large

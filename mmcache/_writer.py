@@ -11,6 +11,7 @@ new generation's files: the previous cache stays as it was.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -265,6 +266,7 @@ def up_to_date_report(s: Session) -> BuildReport | None:
     report = current_report(s.previous)
     report.ignored = list(s.listing.ignored)
     report.other_files = dict(s.listing.other_files)
+    _note_unpaired(report, s.listing)
     report.trusted_decoder = not decoder_accepted(
         m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
     )
@@ -386,6 +388,11 @@ def allocate(s: Session) -> Generation:
     crcs = np.zeros(n, np.uint32)
     messages: dict[int, str] = {}
     carry_skips(previous, listing, s.wanted, state, messages)
+    if listing.annotations is not None:
+        for i in np.flatnonzero(state == fmt.EMPTY).tolist():
+            missing = listing.annotations.missing_mask(i)
+            if missing is not None:  # known now: no decoding, no place in the data file
+                state[i], messages[i] = fmt.BAD_MASK, missing
     skip = set(np.flatnonzero(state != fmt.EMPTY).tolist())
     kept = kept_records(previous, listing, s.wanted)
     layout, appending, deferred = None, False, ""
@@ -396,7 +403,7 @@ def allocate(s: Session) -> Generation:
             # Too much garbage: a compact data file instead, if the disk has room for it
             # beside the old one; else append now (it fits, or the check below says so) and
             # compact when there is room, rather than refuse a refresh that would fit.
-            compact = plan_layout(listing, request.options)
+            compact = plan_layout(listing, request.options, skip)
             needed = disk_bytes(generation_sizes(listing.paths, compact.data_bytes))
             free = free_bytes(s.folder)
             if request.force or free >= needed:
@@ -408,13 +415,10 @@ def allocate(s: Session) -> Generation:
                     "appended instead; free some space, then run `mmcache compact`"
                 )
     if layout is None:
-        layout = plan_layout(listing, request.options)
+        layout = plan_layout(listing, request.options, skip)
     state = np.where(state != fmt.EMPTY, state, layout.state).astype(np.uint32)
-    if listing.annotations is not None:
-        for i in np.flatnonzero(state == fmt.EMPTY).tolist():
-            missing = listing.annotations.missing_mask(i)
-            if missing is not None:  # known now: no decoding, no place in the data file
-                state[i], messages[i] = fmt.BAD_MASK, missing
+    for i, reason in layout.reasons.items():
+        messages.setdefault(i, reason)
     for i in np.flatnonzero(layout.state == fmt.BAD_TOO_LARGE).tolist():
         if i not in messages:  # (a skip carried over has its reason: no header read again)
             messages[i] = _too_large(listing, i, request.options)
@@ -479,6 +483,8 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     if skipped and (s.request.strict or not len(keep)):
         raise _refusal(skipped, s)
     offsets, data_bytes = layout.offsets.copy(), layout.data_bytes
+    if not s.lazy:  # (a lazy build decodes only records it could not place: no gaps)
+        data_bytes = _close_gaps(g, keep, offsets, data_bytes)
     if g.overflow:
         data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
     warnings = list(listing.warnings) + [
@@ -586,7 +592,7 @@ def _finish_report(
     decoded = [i for i in g.todo if state[i] == fmt.FILLED]
     pixels_written = g.copied_bytes + int(layout.nbytes[decoded].sum())
     live = live_bytes(offsets[keep], layout.nbytes[keep], data_bytes)
-    return new_report(
+    report = new_report(
         g.folder,
         state[keep],  # every FILLED record is kept
         len(listing.classes),
@@ -607,6 +613,17 @@ def _finish_report(
         skipped=skipped,
         warnings=warnings,
     )
+    _note_unpaired(report, listing)
+    return report
+
+
+def _note_unpaired(report: BuildReport, listing: Listing) -> None:
+    """Put in ``report`` what of the COCO file pairs with nothing in ``listing``."""
+    a = listing.annotations
+    if a is not None:
+        report.coco_missing = list(a.coco_missing)
+        report.coco_unknown_ids = list(a.coco_unknown_ids)
+        report.coco_orphans = a.coco_orphans
 
 
 def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
@@ -748,13 +765,64 @@ def _garbage_share(layout: Layout) -> float:
 def _too_large(listing: Listing, i: int, opts: Options) -> str:
     """Why file ``i``, refused from its header, is over the pixel limit: its size, the limit."""
     try:
-        native = listing.probe(i)
+        native = listing.probe(i, opts.exif_orientation)
     except OSError:
         native = None
     if native is None:  # (it was readable when planned; changed since)
         return fmt.BAD_REASONS[fmt.BAD_TOO_LARGE]
     assert opts.max_pixels is not None  # Options replaces None with the default
     return too_large_reason(native[0], native[1], opts.max_pixels)
+
+
+def _close_gaps(g: Generation, keep: np.ndarray, offsets: np.ndarray, data_bytes: int) -> int:
+    """Move the records this generation placed down over the space of the files it found bad
+    only when decoding them (truncated, a mask that does not fit, ...), so that a first build
+    leaves no garbage and a refresh appends none; ``offsets`` are updated, and the data file's
+    new size returned. Each run of records between two such gaps moves in one piece: the
+    bytes after the first gap are copied once."""
+    start = 0 if g.appended_after is None else aligned(g.appended_after)
+    nbytes = g.layout.nbytes
+    placed = keep[(nbytes[keep] > 0) & (offsets[keep] >= start)]
+    placed = placed[~np.isin(placed, list(g.overflow))]  # (they go after, see _append_overflow)
+    placed = placed[np.argsort(offsets[placed], kind="stable")]
+    moved, end = layout_offsets(nbytes[placed])
+    moved += np.uint64(start)
+    shift = offsets[placed].astype(np.int64) - moved.astype(np.int64)
+    # (Gaps at the end need no move: the file is cut there.)
+    new_size = start + end if len(placed) else (g.appended_after or 0)
+    if not shift.any():
+        return min(new_size, data_bytes)
+    fd = os.open(g.data_path, os.O_RDWR)
+    try:
+        # Runs: consecutive records that move by the same amount lie side by side.
+        firsts = np.flatnonzero(np.diff(shift, prepend=-1) != 0)
+        lasts = np.append(firsts[1:], len(placed)) - 1
+        for a, b in zip(firsts.tolist(), lasts.tolist()):
+            if shift[a]:
+                src = int(offsets[placed[a]])
+                length = int(offsets[placed[b]]) + int(nbytes[placed[b]]) - src
+                _move_down(fd, src, src - int(shift[a]), length)
+    finally:
+        os.close(fd)
+    offsets[placed] = moved
+    return new_size
+
+
+# Bytes per read when records move down in the data file.
+_MOVE_CHUNK = 8 << 20
+
+
+def _move_down(fd: int, src: int, dst: int, length: int) -> None:
+    """Copy ``length`` bytes at ``src`` of file ``fd`` to ``dst`` < ``src``, in chunks from
+    the start: a chunk is written only below bytes already read, so overlap is safe."""
+    done = 0
+    while done < length:
+        chunk = os.pread(fd, min(_MOVE_CHUNK, length - done), src + done)
+        if not chunk:
+            raise CacheFormatError(f"the data file ended early, at byte {src + done}")
+        if os.pwrite(fd, chunk, dst + done) != len(chunk):
+            raise OSError(errno.ENOSPC, "short write to the data file")
+        done += len(chunk)
 
 
 def _append_overflow(

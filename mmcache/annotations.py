@@ -27,7 +27,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,12 @@ from . import format as fmt
 from . import pixels as px
 from .errors import CacheFormatError, SourceError
 
-__all__ = ["Annotations", "MASK_EXTENSIONS", "annotate", "read_mask", "recorded_annotations"]
+__all__ = [
+    "Annotations", "MASK_EXTENSIONS", "NO_MASK", "annotate", "read_mask", "recorded_annotations",
+]  # fmt: skip
 
+# How the reason of an image skipped for want of its mask starts.
+NO_MASK = "no mask for it in"
 # A mask's extensions, in the order one is chosen when several share an image's name.
 MASK_EXTENSIONS = (".png", ".bmp", ".tif", ".tiff", ".webp", ".jpg", ".jpeg")
 # The fields mmcache keeps for itself: each record's mask file and its (size, mtime_ns).
@@ -64,6 +68,11 @@ class Annotations:
     coco_digest: str = ""
     # (height, width) each image has in the JSON (0, 0 where none), to scale its boxes from.
     coco_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # The JSON's images the source lacks (file names), the image ids of its annotations that
+    # are not among its images, and how many such annotations: all left out.
+    coco_missing: list[str] = field(default_factory=list)
+    coco_unknown_ids: list[int] = field(default_factory=list)
+    coco_orphans: int = 0
     # Field name -> (its description in the manifest, one array per listed image).
     arrays: dict[str, tuple[dict[str, Any], list[np.ndarray]]] = field(default_factory=dict)
     user: list[str] = field(default_factory=list)  # the fields the user's arrays gave
@@ -101,7 +110,21 @@ class Annotations:
         """Why listed image ``i`` cannot be stored for want of its mask, or None."""
         if self.masks_root is None or self.mask_paths[i] is not None:
             return None
-        return f"no mask for it in {self.masks_root} (a file of its relative path and stem)"
+        return f"{NO_MASK} {self.masks_root} (a file of its relative path and stem)"
+
+    def size_mismatch(self, i: int, native: Sequence[int]) -> str | None:
+        """Why listed image ``i``, of ``native`` (height, width) as decoded, cannot take its
+        COCO boxes (the JSON gives it another size), or None."""
+        if self.coco is None or not self.coco_sizes[i].any() or not native[0]:
+            return None
+        (jh, jw), (h, w) = (int(v) for v in self.coco_sizes[i]), (int(v) for v in native[:2])
+        if (jh, jw) == (h, w):
+            return None
+        return (
+            f"{self.coco} gives it {jw}x{jh} pixels, the image has {w}x{h} (width x height, "
+            "EXIF orientation not applied): its boxes would be scaled wrong; correct the JSON's "
+            "width and height"
+        )
 
     def mask_file(self, i: int) -> tuple[str, int, int] | None:
         """``(absolute path, size, mtime_ns)`` of image ``i``'s mask as listed, or None."""
@@ -180,8 +203,9 @@ def annotate(
         )
     if coco is not None:
         a.coco = Path(coco).expanduser().absolute()
-        a.coco_digest, a.coco_sizes, coco_arrays = _read_coco(a.coco, listing.paths)
+        a.coco_digest, a.coco_sizes, coco_arrays, unmatched = _read_coco(a.coco, listing.paths)
         a.arrays.update(coco_arrays)
+        a.coco_missing, a.coco_unknown_ids, a.coco_orphans = unmatched
     for name, by_path in (fields or {}).items():
         if name in a.arrays or name.startswith("_"):
             raise SourceError(f"fields: {name!r} is taken (mmcache's own, or COCO's)")
@@ -224,9 +248,16 @@ def _pair_masks(paths: list[str], root: Path) -> tuple[list[str | None], np.ndar
 
 def _read_coco(
     path: Path, paths: list[str]
-) -> tuple[str, np.ndarray, dict[str, tuple[dict[str, Any], list[np.ndarray]]]]:
+) -> tuple[
+    str,
+    np.ndarray,
+    dict[str, tuple[dict[str, Any], list[np.ndarray]]],
+    tuple[list[str], list[int], int],
+]:
     """COCO's annotations for the listed images: the file's digest, each image's JSON size,
-    and the ``boxes``, ``labels`` and ``iscrowd`` arrays (boxes still in the JSON's pixels)."""
+    the ``boxes``, ``labels`` and ``iscrowd`` arrays (boxes still in the JSON's pixels), and
+    what pairs with nothing: the JSON's images not listed, the unknown image ids of
+    annotations, and how many annotations have one."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_COCO_BYTES + 1)
@@ -254,6 +285,11 @@ def _read_coco(
         im = by_name.get(rel) or by_name.get(os.path.basename(rel))
         if im is not None:
             record_of[im.get("id")] = i
+    image_ids = {im.get("id") for im in images}
+    listed = set(paths) | {os.path.basename(rel) for rel in paths}  # as by_name is looked up
+    missing = [name for name in map(str, by_name) if name not in listed]
+    unknown: dict[Any, None] = {}
+    orphans = 0
     n = len(paths)
     sizes = np.zeros((n, 2), np.int64)
     for i in record_of.values():
@@ -266,6 +302,9 @@ def _read_coco(
         try:
             record = record_of.get(ann["image_id"])
             if record is None:
+                if ann["image_id"] not in image_ids:
+                    unknown[ann["image_id"]] = None
+                    orphans += 1
                 continue
             i = record
             x, y, w, h = (float(v) for v in ann["bbox"])
@@ -294,7 +333,8 @@ def _read_coco(
             [np.asarray(v, np.uint8) for v in crowd],
         ),
     }
-    return hashlib.sha256(raw).hexdigest(), sizes, arrays
+    unknown_ids = sorted(unknown, key=str)
+    return hashlib.sha256(raw).hexdigest(), sizes, arrays, (missing, unknown_ids, orphans)
 
 
 def _user_field(

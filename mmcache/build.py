@@ -123,7 +123,7 @@ def build_cache(
     if not (isinstance(dist_timeout, int | float) and 0 < dist_timeout < math.inf):
         raise ValueError(f"dist_timeout must be a number of seconds above 0, got {dist_timeout!r}")
     request = writer.BuildRequest(
-        source, cache, _options(options, masks), workers=workers, strict=strict,
+        source, cache, _options(options, masks, coco), workers=workers, strict=strict,
         progress=progress, force=force, trust_decoder=trust_decoder, replace=replace,
         compact_at=compact_at, source_moved=source_moved, masks=masks, coco=coco, fields=fields,
     )  # fmt: skip
@@ -170,16 +170,30 @@ def create_lazy_cache(
         NotACacheError, DestinationError, InsufficientSpaceError: as ``build_cache``.
     """
     request = writer.BuildRequest(
-        source, cache, _options(options, masks), workers=workers, progress=progress,
+        source, cache, _options(options, masks, coco), workers=workers, progress=progress,
         force=force, replace=replace, lazy=True, compact_at=compact_at,
         source_moved=source_moved, masks=masks, coco=coco, fields=fields,
     )  # fmt: skip
     return _build_here(request)
 
 
-def _options(options: dict[str, Any], masks: str | os.PathLike | None) -> Options:
+def _options(
+    options: dict[str, Any],
+    masks: str | os.PathLike | None,
+    coco: str | os.PathLike | None = None,
+) -> Options:
     """The preprocessing ``Options`` of a build: with ``masks``, records carry 8-bit masks
-    unless ``mask`` says 16; ``mask`` without ``masks`` has no masks to store."""
+    unless ``mask`` says 16; ``mask`` without ``masks`` has no masks to store. With ``masks``
+    or ``coco``, images are read without their EXIF orientation, as the annotations were
+    drawn on them (docs/annotations.md)."""
+    if masks is not None or coco is not None:
+        if options.get("exif_orientation"):
+            raise ValueError(
+                "exif_orientation=True with masks= or coco=: masks and boxes are drawn on the "
+                "pixels as the file stores them, and rotating the image alone would misalign "
+                "them; leave exif_orientation out"
+            )
+        options = {**options, "exif_orientation": False}
     if masks is not None:
         options = {"mask": "uint8", **options}
         if options["mask"] is None:

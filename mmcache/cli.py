@@ -31,6 +31,7 @@ from ._feedback import count, human_bytes
 from ._interpolation import RENAMED
 from ._version import __version__
 from ._writer import COMPACT_AT, DIST_TIMEOUT
+from .annotations import NO_MASK
 from .build import build_cache
 from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
 from .errors import CacheError, DistributedBuildError
@@ -274,7 +275,9 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
     images = count(report.images, "image")
     pending = f", {count(report.pending, 'record')} to fill on first read" if report.pending else ""
     if report.up_to_date:
-        out(f"{_one_line(report.cache)}: up to date ({images}{pending}; nothing decoded)")
+        # What the build that made it skipped, it said: counted here, listed by `mmcache info`.
+        left = f"; {len(report.skipped):,} skipped, see `mmcache info`" if report.skipped else ""
+        out(f"{_one_line(report.cache)}: up to date ({images}{pending}; nothing decoded{left})")
     else:
         out(
             f"{_one_line(report.cache)}: {images} in {count(report.classes, 'class', 'classes')}, "
@@ -306,10 +309,11 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(wrote)
     if report.compaction_deferred:
         out(f"  not compacted: {report.compaction_deferred}")
-    for s in report.skipped[:20]:
-        out(f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}")
-    if len(report.skipped) > 20:
-        out(f"  ... and {len(report.skipped) - 20:,} more (see manifest.json)")
+    if not report.up_to_date:
+        for line in _skipped_lines(report.skipped):
+            out("  " + line)
+        for line in _unpaired_lines(report):
+            out("  " + line)
     truncated = sum(s["reason"] == TRUNCATED for s in report.skipped)
     if truncated:
         out(
@@ -320,6 +324,51 @@ def _print_build(report: BuildReport, out: Callable[[str], None]) -> None:
         out(f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}")
     if len(report.warnings) > 5:
         out(f"  ... {len(report.warnings) - 5:,} more warnings (see manifest.json)")
+
+
+def _skipped_lines(skipped: list[dict[str, Any]]) -> list[str]:
+    """One line per skipped file, but one line for the files of a reason more than three share
+    (VOC's images without a mask: most of JPEGImages), with their count and first few names;
+    20 lines at most."""
+    by_reason: dict[str, list[str]] = {}
+    for s in skipped:
+        by_reason.setdefault(s["reason"], []).append(s["path"])
+    lines = []
+    for reason, paths in by_reason.items():
+        if len(paths) <= 3:
+            lines += [f"skipped {_one_line(p)}: {_one_line(reason)}" for p in paths]
+            continue
+        lines.append(f"{len(paths):,} skipped, {_one_line(reason)}: {_first_few(paths)}")
+        if reason.startswith(NO_MASK):
+            lines[-1] += (
+                " (a `path,label` list of the images with a mask, as the source, builds "
+                "them alone: docs/annotations.md)"
+            )
+    if len(lines) > 20:
+        lines[20:] = [f"... and {len(lines) - 20:,} more lines (see manifest.json)"]
+    return lines
+
+
+def _first_few(names: Sequence[object]) -> str:
+    """``a.jpg, b.jpg, c.jpg, ...``: the first three of ``names``, one line each."""
+    more = ", ..." if len(names) > 3 else ""
+    return ", ".join(_one_line(str(n)) for n in names[:3]) + more
+
+
+def _unpaired_lines(report: BuildReport) -> list[str]:
+    """What of the COCO file a build left out for want of its image, one line each."""
+    lines = []
+    if report.coco_missing:
+        lines.append(
+            f"{count(len(report.coco_missing), 'image')} of the COCO file not in the source, "
+            f"left out: {_first_few(report.coco_missing)}"
+        )
+    if report.coco_orphans:
+        lines.append(
+            f"{count(report.coco_orphans, 'COCO annotation')} of image ids the file does not "
+            f"list, left out: ids {_first_few(report.coco_unknown_ids)}"
+        )
+    return lines
 
 
 def _annotation_words(annotations: dict[str, Any], paired: dict[str, str]) -> str:
@@ -718,11 +767,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"{human_bytes(info.ram_available)} available",
         f"source:     {source}",
     ]
-    lines += [
-        f"  skipped {_one_line(s['path'])}: {_one_line(s['reason'])}" for s in info.skipped[:20]
-    ]
-    if len(info.skipped) > 20:
-        lines.append(f"  ... and {len(info.skipped) - 20} more (see manifest.json)")
+    lines += ["  " + line for line in _skipped_lines(info.skipped)]
     lines += [
         f"  warning {_one_line(w['path'])}: {_one_line(w['reason'])}" for w in info.warnings[:5]
     ]

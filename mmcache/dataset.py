@@ -174,6 +174,8 @@ class MemmapImageDataset(Dataset):
                 f"preprocessing options and annotations ({', '.join(given)}) apply only with "
                 "source= (lazy mode); a built cache keeps those it was built with"
             )
+        if masks is not None or coco is not None:
+            options = {**options, "exif_orientation": False}  # as build_cache's, see there
         if masks is not None:
             options = {"mask": "uint8", **options}
         self._masks, self._coco = masks, coco

@@ -3,9 +3,10 @@
 The reference is OpenCV: ``cv2.imread(path, cv2.IMREAD_COLOR)`` (``IMREAD_GRAYSCALE`` for gray),
 then ``cv2.resize`` to the size the options give, then ``cv2.cvtColor`` to RGB. OpenCV applies
 EXIF orientation, drops alpha, reduces 16-bit to 8-bit and makes CMYK and gray 3-channel; so does
-the cache, because it calls the same functions. ``cv2.imread`` is used rather than
-``cv2.imdecode``: on a truncated JPEG OpenCV 5 returns the partial image from ``imread`` but
-``None`` from ``imdecode``.
+the cache, because it calls the same functions (a build with masks or COCO boxes adds
+``cv2.IMREAD_IGNORE_ORIENTATION``: ``Options.exif_orientation``). ``cv2.imread`` is used rather
+than ``cv2.imdecode``: on a truncated JPEG OpenCV 5 returns the partial image from ``imread``
+but ``None`` from ``imdecode``.
 
 The file is opened here, and ``cv2.imread`` is given ``/proc/self/fd/N``, a name that reaches it
 whatever bytes its own name holds: OpenCV crashes (SIGSEGV) on a name that is not valid UTF-8,
@@ -86,6 +87,11 @@ class Options:
     decode at all.
     ``mask``: the dtype each record's segmentation mask is stored in (``"uint8"`` or
     ``"uint16"``), set by a build with masks (``masks=``); None: records carry no mask.
+    ``exif_orientation`` (on by default, as ``cv2.imread``): the EXIF orientation is applied;
+    off, the pixels are read as the file stores them (``cv2.IMREAD_IGNORE_ORIENTATION``), as
+    PIL and torchvision read them and as masks and boxes are drawn on them: a build with
+    masks or COCO boxes sets it off (recorded in the manifest's options as
+    ``"exif_orientation": false``), so that each annotation lines up with its pixels.
     """
 
     size: tuple[int, int] | None = None
@@ -98,6 +104,7 @@ class Options:
     pixels: str = "rgb"
     keep_truncated: bool = False
     mask: str | None = None
+    exif_orientation: bool = True
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -149,6 +156,8 @@ class Options:
             del d["pixels"]
         if self.mask is None:
             del d["mask"]
+        if self.exif_orientation:
+            del d["exif_orientation"]
         return d
 
     @classmethod
@@ -185,7 +194,9 @@ class Options:
 
     def describe(self) -> str:
         """``flags()``, or ``"the defaults (native size, RGB)"``: for messages."""
-        return self.flags() or "the defaults (native size, RGB)"
+        words = self.flags() or "the defaults (native size, RGB)"
+        # No flag of its own: --masks and --coco imply it.
+        return words if self.exif_orientation else words + ", EXIF orientation not applied"
 
     def output_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""
@@ -236,7 +247,9 @@ def preprocess(
 
 
 def read_flags(options: Options) -> int:
-    return cv2.IMREAD_GRAYSCALE if options.color == "gray" else cv2.IMREAD_COLOR
+    """``cv2.imread``'s flags for ``options``: colour or gray, EXIF orientation applied or not."""
+    flags = cv2.IMREAD_GRAYSCALE if options.color == "gray" else cv2.IMREAD_COLOR
+    return flags if options.exif_orientation else flags | cv2.IMREAD_IGNORE_ORIENTATION
 
 
 _REDUCED_FLAGS = {
@@ -269,13 +282,16 @@ def read_image(
         if name is None:
             return None, None
         if options.reduced_decode and jpeg:
-            native = probe_size(name)
+            native = probe_size(name, options.exif_orientation)
             if native is not None:
                 oh, ow, _ = options.output_shape(*native)
                 for factor in (8, 4, 2):
                     if native[0] // factor >= oh and native[1] // factor >= ow:
                         kind = "gray" if options.color == "gray" else "color"
-                        img = cv2.imread(name, _REDUCED_FLAGS[kind][factor])
+                        flags = _REDUCED_FLAGS[kind][factor]
+                        if not options.exif_orientation:
+                            flags |= cv2.IMREAD_IGNORE_ORIENTATION
+                        img = cv2.imread(name, flags)
                         return img, native
         img = cv2.imread(name, read_flags(options))
     return img, None if img is None else img.shape[:2]

@@ -75,7 +75,8 @@ A cache is one folder; move or copy it as a unit. Its files:
     code >= 2 (the file could not be cached; ``BAD_REASONS`` says why; 6, ``BAD_TRUNCATED``, is
     newer than format 2.0's first readers, which refuse a lazy cache holding it as an unknown
     record state: a reader MUST refuse a code it does not know; 7, ``BAD_MASK``, is 4.x's, for a
-    record whose mask is missing or does not fit its image). Only this file changes
+    record whose mask is missing or does not fit its image, or whose COCO size is not its
+    own). Only this file changes
     after publication, and only in lazy mode: a filler writes the pixels, then ``crc32`` and
     ``state`` together, so a record that reads ``FILLED`` is complete. In a ``"build"`` cache
     every record is ``FILLED`` (a reader MUST refuse ``EMPTY`` there).
@@ -265,7 +266,7 @@ BAD_REASONS = {
     BAD_TOO_LARGE: "it has more pixels than the limit",
     BAD_SOURCE_CHANGED: "it changed or vanished since it was listed",
     BAD_TRUNCATED: "truncated: the file ends before its image data does",
-    BAD_MASK: "its mask is missing, unreadable, or does not fit it",
+    BAD_MASK: "its mask or COCO size is missing, unreadable, or does not fit it",
 }
 
 

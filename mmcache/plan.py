@@ -186,7 +186,7 @@ def plan_cache(
     opts = Options(**options)
     start = time.perf_counter()
     listing = source if isinstance(source, Listing) else scan_source(source)
-    hw = probe_sizes(listing, progress)
+    hw = probe_sizes(listing, progress, opts=opts)
     known = hw[:, 0] > 0
 
     def policy(o: Options) -> PolicyPlan:

@@ -2,8 +2,9 @@
 
 ``probe_size`` reads a few kilobytes of a JPEG, PNG, BMP, WebP or TIFF file and returns the
 ``(height, width)`` that ``cv2.imread(path, cv2.IMREAD_COLOR)`` would return, EXIF orientation
-included, or ``None`` when the headers do not settle it: another format, malformed or truncated
-headers, a size OpenCV refuses, EXIF that OpenCV builds could read differently. ``None`` is always
+included (``exif=False``: as ``IMREAD_IGNORE_ORIENTATION`` returns it), or ``None`` when the
+headers do not settle it: another format, malformed or truncated headers, a size OpenCV
+refuses, EXIF that OpenCV builds could read differently. ``None`` is always
 safe, as the caller then decodes. The rules, format by format below, mirror what OpenCV 5.1
 (libjpeg-turbo 3.1, libpng 1.6, libwebp, libtiff 4.7) was observed to do. Only ``OSError`` from
 reading the file propagates.
@@ -70,10 +71,11 @@ class _Reader:
     segment walk has moved on; the second block follows wherever the walk seeks.
     """
 
-    __slots__ = ("_base", "_fd", "_win", "_win_at", "head", "size")
+    __slots__ = ("_base", "_fd", "_win", "_win_at", "exif", "head", "size")
 
-    def __init__(self, fd: int, size: int, base: int = 0) -> None:
+    def __init__(self, fd: int, size: int, base: int = 0, exif: bool = True) -> None:
         self._fd = fd
+        self.exif = exif  # whether the decoder applies EXIF orientation (else it reads none)
         self._base = base  # where the image starts in the file (a member of an archive)
         self.size = size
         self.head = _pread(fd, min(_BLOCK, size), base)
@@ -103,21 +105,23 @@ class _Reader:
         return data[0] if data else -1
 
 
-def probe_region(fd: int, start: int, size: int) -> tuple[int, int] | None:
+def probe_region(fd: int, start: int, size: int, exif: bool = True) -> tuple[int, int] | None:
     """``probe_size`` of the image whose ``size`` bytes start at ``start`` of the open file
     ``fd`` (a member of an uncompressed archive); reads nothing outside them."""
     try:
-        return _probe(_Reader(fd, size, start))
+        return _probe(_Reader(fd, size, start, exif))
     except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
         return None
 
 
-def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:
+def probe_size(path: str | os.PathLike, exif: bool = True) -> tuple[int, int] | None:
     """(height, width) cv2.imread(path, cv2.IMREAD_COLOR) would return, from headers; else None.
 
     Args:
         path: The image file. Its format is recognised from its first bytes, as OpenCV does, not
             from its extension.
+        exif: whether the size is after EXIF orientation (``cv2.IMREAD_COLOR``), or as stored
+            (``cv2.IMREAD_IGNORE_ORIENTATION``, as annotated builds decode).
 
     Returns:
         ``(height, width)`` after EXIF orientation, or ``None`` when the format is not one of
@@ -132,7 +136,7 @@ def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:
         st = os.fstat(fd)
         if st.st_mode & _S_IFMT != _S_IFREG:
             return None  # directories, FIFOs, devices: imread reads none of them
-        reader = _Reader(fd, st.st_size)
+        reader = _Reader(fd, st.st_size, exif=exif)
         try:
             return _probe(reader)
         except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
@@ -373,7 +377,7 @@ def _jpeg(r: _Reader) -> tuple[int, int] | None:
         pos += length
     else:
         return None
-    swap = _swaps([_exif_orientation(r, base, n) for base, n in exif_blobs])
+    swap = r.exif and _swaps([_exif_orientation(r, base, n) for base, n in exif_blobs])
     return _checked(size[0], size[1], swap)
 
 
@@ -451,7 +455,7 @@ def _png(r: _Reader) -> tuple[int, int] | None:
         pos = end
     else:
         return None
-    return _checked(height, width, _swaps([exif]))
+    return _checked(height, width, r.exif and _swaps([exif]))
 
 
 # --- BMP ----------------------------------------------------------------------------------------
@@ -586,7 +590,7 @@ def _webp(r: _Reader) -> tuple[int, int] | None:
         return None
     if size is None or size != (canvas_h, canvas_w):
         return None  # libwebp rejects a canvas that differs from the still image
-    swap = _swaps([_exif_orientation(r, *exif)]) if exif else False
+    swap = _swaps([_exif_orientation(r, *exif)]) if exif and r.exif else False
     return _checked(size[0], size[1], swap)
 
 

@@ -53,6 +53,11 @@ class BuildReport:
     ``"truncated"``, over the pixel limit, ...) and each file kept with a warning: its
     decoder complained, or it is another listed file under another label (a link from one
     class folder into another, see ``scan_source``).
+
+    ``coco_missing``: the file names of the COCO file's images that the source lacks;
+    ``coco_orphans``: how many of its annotations name an image id it does not list, and
+    ``coco_unknown_ids`` those ids. Both are left out of the cache, as an image of the source
+    absent from the JSON has no boxes.
     """
 
     cache: Path
@@ -78,6 +83,9 @@ class BuildReport:
     warnings: list[dict[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     other_files: dict[str, int] = field(default_factory=dict)
+    coco_missing: list[str] = field(default_factory=list)
+    coco_unknown_ids: list[int] = field(default_factory=list)
+    coco_orphans: int = 0
 
     @property
     def images_per_second(self) -> float:

@@ -89,15 +89,15 @@ class Listing:
             return str(self.members.ref(i))
         return os.path.join(self.root, self.paths[i])
 
-    def probe(self, i: int) -> tuple[int, int] | None:
-        """``probe_size`` of entry ``i``.
+    def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
+        """``probe_size`` of entry ``i`` (``exif``: as ``probe_size``'s).
 
         Raises:
             OSError: its file cannot be opened or read.
         """
         if self.members is not None:
-            return self.members.probe(i)
-        return probe_size(self.abspath(i))
+            return self.members.probe(i, exif)
+        return probe_size(self.abspath(i), exif)
 
     def fingerprint(self) -> str:
         """SHA-256 over classes and every (path, label, size, mtime): any change changes it."""

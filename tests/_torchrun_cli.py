@@ -18,7 +18,9 @@ from mmcache.cli import main
 fault, unprobed = os.environ.get("FAULT"), os.environ.get("UNPROBED")
 if unprobed:
     real_probe = layout.probe_size
-    layout.probe_size = lambda p: None if os.path.basename(p) == unprobed else real_probe(p)
+    layout.probe_size = lambda p, *exif: (
+        None if os.path.basename(p) == unprobed else real_probe(p, *exif)
+    )
 if fault == "hang" and os.environ.get("RANK") == "1":
     import threading
 

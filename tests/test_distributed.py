@@ -117,7 +117,9 @@ def test_three_ranks_refresh_an_old_cache_as_one_process_does_with_overflow(
 
     real_probe = mmcache._layout.probe_size
     monkeypatch.setattr(
-        mmcache._layout, "probe_size", lambda p: None if p.endswith("new.jpg") else real_probe(p)
+        mmcache._layout,
+        "probe_size",
+        lambda p, *exif: None if p.endswith("new.jpg") else real_probe(p, *exif),
     )
     report = build_cache(source, tmp_path / "c1", workers=1)
     assert report.appended  # the refresh appended to the data file, as the ranks did

@@ -430,8 +430,8 @@ def test_a_bad_file_is_substituted_on_request(src_with_bad, tmp_path):
 def test_a_header_that_disagrees_with_the_decoded_size_is_marked_bad(src, tmp_path, monkeypatch):
     real = mmcache._layout.probe_size
 
-    def lying(path):  # as a header the probe misreads would: height and width swapped
-        hw = real(path)
+    def lying(path, exif=True):  # as a header the probe misreads would: height and width swapped
+        hw = real(path, exif)
         return hw[::-1] if path.endswith("img_004.jpg") else hw
 
     monkeypatch.setattr(mmcache._layout, "probe_size", lying)
