@@ -176,6 +176,7 @@ from ._checks import (
     read_exactly,
     validate_paths,
 )
+from ._opening import read_whole
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = [
@@ -469,9 +470,7 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
     try:
-        with open(mpath, "rb") as f:
-            expect(stat.S_ISREG(os.fstat(f.fileno()).st_mode), mpath, "not a regular file")
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CacheNotFoundError(_no_manifest(folder)) from None
     expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
