@@ -117,15 +117,23 @@ def test_a_folder_every_user_can_write_without_the_sticky_bit_is_refused(tmp_pat
     build_cache(src, tmp_path / "cache", workers=0)
 
 
-def test_the_temporary_manifest_has_a_name_no_one_can_plant(tmp_path):
-    """Why 2: ``manifest.json.tmp<pid>`` was opened with ``open(..., "w")``, following a link."""
+def test_files_a_build_creates_are_never_opened_through_planted_links(tmp_path):
+    """Why 2: with the generation id read off the data file as it appears, links named like
+    the next index file and ``manifest.json.tmp<pid>`` were followed by the build's writes."""
     src = tiny(tmp_path / "src")
     cache = tmp_path / "cache"
-    build_cache(src, cache, workers=0)
     target = tmp_path / "victim"
     before = victim_file(target)
-    (cache / f"{fmt.MANIFEST_NAME}.tmp{os.getpid()}").symlink_to(target)
-    build_cache(src, cache, workers=0, force=True)
+
+    def race(done, total):  # the attacker, acting while the build decodes
+        for name in os.listdir(cache):
+            if name.startswith("data-"):
+                for planted in (name.replace("data-", "index-"), f"manifest.json.tmp{os.getpid()}"):
+                    if not (cache / planted).is_symlink():
+                        (cache / planted).symlink_to(target)
+
+    with pytest.raises(FileExistsError):
+        build_cache(src, cache, workers=0, progress=race)
     assert target.read_bytes() == before
 
 
