@@ -40,16 +40,21 @@ def _open_in(path: Path, flags: int, mode: int = 0o666) -> tuple[int, os.stat_re
             fd = os.open(path.name, flags | _BASE_FLAGS, mode, dir_fd=folder_fd)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise UnsafeCacheError(
-                    f"{path}: is a symbolic link; a cache's files are never opened through "
-                    "one (delete it, or rebuild the cache)"
-                ) from None
+                raise link_refused(path) from None
             if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
                 raise _not_regular(path) from None
             raise
     finally:
         os.close(folder_fd)
     return fd, folder_stat
+
+
+def link_refused(path: Path) -> UnsafeCacheError:
+    """The error for a symbolic link found in place of the cache file ``path``."""
+    return UnsafeCacheError(
+        f"{path}: is a symbolic link; a cache's files are never opened through one (delete "
+        "it, or rebuild the cache)"
+    )
 
 
 def _not_regular(path: Path) -> UnsafeCacheError:

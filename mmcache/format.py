@@ -176,7 +176,7 @@ from ._checks import (
     read_exactly,
     validate_paths,
 )
-from ._opening import read_whole
+from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = [
@@ -758,9 +758,11 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     for kind in manifest.file_kinds:
         p = manifest.file(kind)
         try:
-            st = p.stat()
+            st = p.lstat()  # (a link is refused, never followed: see mmcache._opening)
         except FileNotFoundError:
             raise fail(p, "missing (the cache was rebuilt or damaged)") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise link_refused(p)
         expect(stat.S_ISREG(st.st_mode), p, "not a regular file")
         # The data file may be longer than recorded (a filesystem rounding up), never shorter:
         # a read past its end would kill the reader with SIGBUS.

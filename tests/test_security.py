@@ -91,9 +91,8 @@ def test_a_read_never_writes_through_a_planted_data_link(shared, tmp_path):
     bashrc = shared / "bashrc"
     before = victim_file(bashrc)
     as_attacker("ln", "-sf", bashrc, data_file(cache))
-    ds = MemmapImageDataset(cache, source=src)  # the caller names the source: trusted
     with pytest.raises(UnsafeCacheError, match="symbolic link"):
-        ds[0]
+        MemmapImageDataset(cache, source=src)[0]  # the caller names the source: trusted
     assert bashrc.read_bytes() == before
 
 
@@ -151,18 +150,20 @@ def _linked_data_cache(tmp_path: Path) -> tuple[Path, Path, bytes]:
     return src, cache, content
 
 
-@pytest.mark.parametrize("writer", ["repair", "compact", "copy into it"])
+@pytest.mark.parametrize("writer", ["repair", "compact", "copy into it", "build into it"])
 def test_no_writer_truncates_through_a_linked_data_file(tmp_path, writer):
-    """Why 3: ``cut_data_file`` truncated by path in every writer's stale-generation cleanup."""
+    """Why 3: ``cut_data_file`` truncated by path in every writer's stale-generation cleanup.
+    The link is refused when the cache is opened; a writer that replaces the cache (copy,
+    build) deletes it as a damaged cache's file, never following it."""
     src, cache, content = _linked_data_cache(tmp_path)
-    with pytest.raises(UnsafeCacheError, match="symbolic link"):
-        if writer == "repair":
-            repair_cache(cache, workers=0)
-        elif writer == "compact":
-            compact_cache(cache)
-        else:
-            build_cache(src, tmp_path / "other", workers=0)
-            copy_cache(tmp_path / "other", cache)
+    if writer in ("repair", "compact"):
+        with pytest.raises(UnsafeCacheError, match="symbolic link"):
+            repair_cache(cache, workers=0) if writer == "repair" else compact_cache(cache)
+    elif writer == "copy into it":
+        build_cache(src, tmp_path / "other", workers=0)
+        copy_cache(tmp_path / "other", cache)
+    else:
+        build_cache(src, cache, workers=0)
     assert (tmp_path / "victim").read_bytes() == content
 
 
