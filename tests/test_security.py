@@ -96,6 +96,24 @@ def test_a_read_never_writes_through_a_planted_data_link(shared, tmp_path):
     assert bashrc.read_bytes() == before
 
 
+def test_a_fill_never_writes_through_a_hard_link(tmp_path):
+    """Why 1, with a hard link (a user may make one to a file of theirs only, where
+    fs.protected_hardlinks is on; root makes it here): a file with two names is not written."""
+    from mmcache import MemmapImageDataset
+
+    src = tiny(tmp_path / "src")
+    cache = tmp_path / "cache"
+    create_lazy_cache(src, cache, workers=0)
+    data = data_file(cache)
+    target = tmp_path / "victim"
+    before = victim_file(target)
+    data.unlink()
+    os.link(target, data)
+    with pytest.raises(UnsafeCacheError, match="2 names"):
+        MemmapImageDataset(cache, source=src)[0]
+    assert target.read_bytes() == before
+
+
 @needs_root
 def test_root_refuses_to_build_into_another_users_folder(shared):
     """Why 2: the attacker made the folder, and could plant links named like the next files."""
