@@ -34,6 +34,7 @@ from .errors import (
     StaleCacheWarning,
     StateMismatchError,
     StrictBuildError,
+    UnsafeCacheError,
 )
 from .pixels import yuv420_to_rgb
 from .plan import CachePlan, check_free_space, plan_cache
@@ -98,6 +99,7 @@ __all__ = [
     "StaleCacheWarning",
     "StateMismatchError",
     "StrictBuildError",
+    "UnsafeCacheError",
     "VerifyReport",
     "WarmReport",
     "__version__",

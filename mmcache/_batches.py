@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import pixels as px
+from ._opening import open_for_reading
 from ._records import RecordReader
 from ._targets import flip_target, resized_mask, resized_target
 from .transforms import DRAWS, resize_into
@@ -429,7 +430,7 @@ def random_reader(reader: RecordReader, order: np.ndarray) -> int:
     if not hasattr(os, "posix_fadvise"):
         return -1
     try:
-        fd = os.open(reader.data_path, os.O_RDONLY)
+        fd = open_for_reading(reader.data_path)
     except OSError:
         return -1  # a data file replaced since the dataset opened: read through the reader
     try:

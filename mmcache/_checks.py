@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._opening import open_for_reading
 from .errors import CacheFormatError
 
 
@@ -39,7 +41,7 @@ def is_name(v: Any, limit: int) -> bool:
 def read_exactly(path: Path, size: int) -> bytearray:
     """``size`` bytes of ``path``; a file that shrank since it was measured is an error."""
     buf = bytearray(size)
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(path), "rb") as f:
         got = f.readinto(buf)
     expect(got == size, path, f"read {got} bytes, expected {size}: the file changed while read")
     return buf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from . import _generation as generation
 from . import format as fmt
-from ._files import copy_range, create_data_file
+from ._files import create_data_file, write_pixels
 from ._generation import (
     garbage_bytes,
     live_bytes,
@@ -23,7 +24,9 @@ from ._generation import (
     writer_lock,
 )
 from ._layout import layout_offsets
+from ._opening import open_for_reading, open_for_writing
 from ._writer import new_report
+from .errors import CacheFormatError
 from .reports import BuildReport
 from .space import check_free_space, disk_bytes
 
@@ -56,7 +59,12 @@ def compact(cache: str | os.PathLike) -> BuildReport:
             index = files.index.copy()
             index["offset"] = offsets
             sizes = write_generation(
-                folder, gen, index, files.state.copy(), files.paths_blob, data_bytes,
+                folder,
+                gen,
+                index,
+                files.state.copy(),
+                files.paths_blob,
+                data_bytes,
                 fields_blob=files.fields_blob,
             )
             extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -79,16 +87,32 @@ def compact(cache: str | os.PathLike) -> BuildReport:
 
 
 def copy_filled(files: fmt.CacheFiles, offsets: np.ndarray, data_path: Path) -> int:
-    """Copy each FILLED record of ``files`` to its new offset in ``data_path``; bytes copied."""
+    """Copy each FILLED record of ``files`` to its new offset in ``data_path``, checking its
+    CRC-32 on the way (nothing unchecked is copied); bytes copied.
+
+    Raises:
+        CacheFormatError: a record fails its CRC-32 (nothing is published then).
+    """
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
     nbytes = fmt.record_nbytes(files.index, files.manifest.pixels, files.manifest.mask)
-    src = os.open(files.manifest.file("data"), os.O_RDONLY)
-    dst = os.open(data_path, os.O_WRONLY)
+    crcs = files.state["crc32"]
+    src_path = files.manifest.file("data")
+    src = open_for_reading(src_path)
     try:
-        for i in filled.tolist():
-            copy_range(src, dst, int(files.index["offset"][i]), int(offsets[i]), int(nbytes[i]))
-        os.fsync(dst)
+        dst = open_for_writing(data_path)
+        try:
+            for i in filled.tolist():
+                n = int(nbytes[i])
+                record = os.pread(src, n, int(files.index["offset"][i]))
+                if len(record) != n or zlib.crc32(record) != int(crcs[i]):
+                    raise CacheFormatError(
+                        f"{src_path}: record {i} ({files.path(i)}) fails its CRC-32; nothing "
+                        "was compacted: run `mmcache verify --repair` on the cache first"
+                    )
+                write_pixels(dst, np.frombuffer(record, np.uint8), int(offsets[i]))
+            os.fsync(dst)
+        finally:
+            os.close(dst)
     finally:
         os.close(src)
-        os.close(dst)
     return int(nbytes[filled].sum())

@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import errno
 import os
-from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 
+from ._opening import create_exclusively, open_folder, open_for_writing, resize
 from .errors import CacheFormatError
 from .format import STATE_DTYPE, file_name
 
 
 def create_data_file(path: Path, size: int) -> None:
     """Create a new generation's data file of ``size`` bytes, sparse until records are written."""
-    with open(path, "wb") as f:
-        f.truncate(size)
+    fd = create_exclusively(path)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
 
 
 def create_generation_file(folder: Path, kind: str, generation: str, size: int) -> int:
     """Create one file of a new generation at its final ``size`` (holes until written); returns
     a descriptor open for reading and writing, which the caller closes."""
-    fd = os.open(folder / file_name(kind, generation), os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    fd = create_exclusively(folder / file_name(kind, generation))
     try:
         os.ftruncate(fd, size)
     except BaseException:
@@ -49,7 +52,7 @@ def write_pixels(fd: int, pixels: np.ndarray, offset: int) -> None:
 
 def fsync_dir(folder: Path) -> None:
     """Flush a folder's entries, so a rename in it survives a power cut."""
-    fd = os.open(folder, os.O_RDONLY)
+    fd = open_folder(folder)
     try:
         os.fsync(fd)
     finally:
@@ -113,13 +116,21 @@ def write_state(fd: int, i: int, crc32: int, code: int) -> None:
 def cut_data_file(path: Path, size: int) -> None:
     """Truncate the data file at ``path`` to ``size`` bytes if it is longer (what a stopped
     writer appended past the published records)."""
-    with suppress(FileNotFoundError):
-        if os.stat(path).st_size > size:
-            os.truncate(path, size)
+    try:
+        fd = open_for_writing(path)
+    except FileNotFoundError:
+        return
+    try:
+        resize(fd, size, only_shrink=True)
+    finally:
+        os.close(fd)
 
 
 def extend_data_file(path: Path, size: int) -> None:
     """Make the data file at ``path`` at least ``size`` bytes long, the new part sparse: room
     for records to be appended."""
-    if os.stat(path).st_size < size:
-        os.truncate(path, size)
+    fd = open_for_writing(path)
+    try:
+        resize(fd, size, only_grow=True)
+    finally:
+        os.close(fd)

@@ -33,19 +33,26 @@ from . import format as fmt
 from . import pixels as px
 from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
 from ._files import fsync_dir, write_pixels, write_state
+from ._opening import create_exclusively, open_for_reading, open_for_writing
 from .annotations import recorded_mask_file
 from .decode import Options, decode_record
-from .errors import CacheFormatError, DestinationError
+from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
 from .scan import IMAGE_EXTENSIONS
 from .space import disk_full_error
 
 
 class RecordFiller:
-    """Fills the records of one lazy cache generation in place; one per process."""
+    """Fills the records of one lazy cache generation in place; one per process.
 
-    def __init__(self, files: fmt.CacheFiles) -> None:
+    ``source_given``: the caller named the cache's source itself (``source=``), so the root the
+    manifest records is one it trusts; otherwise see ``check_trusted_source``.
+    """
+
+    def __init__(self, files: fmt.CacheFiles, source_given: bool = False) -> None:
         m = files.manifest
         self.files = files
+        if not source_given:
+            check_trusted_source(m)
         self.root = str(m.source.get("root", ""))
         # An archive's members are found by listing it again (their offsets are not recorded).
         archive = m.source.get("kind") in ARCHIVE_KINDS
@@ -58,8 +65,11 @@ class RecordFiller:
         kind = "data"
         try:
             for kind in ("data", "state"):
-                self.fds.append(os.open(m.file(kind), os.O_WRONLY))
+                self.fds.append(open_for_writing(m.file(kind)))
             self.marker = fill_marker(m.path)
+        except CacheError:
+            self.close()
+            raise
         except OSError as e:
             self.close()
             raise DestinationError(
@@ -121,6 +131,28 @@ class RecordFiller:
                 os.close(self.fds.pop())
 
 
+def check_trusted_source(m: fmt.Manifest) -> None:
+    """Refuse to decode the source a lazy cache's manifest names unless that manifest and its
+    folder are ours (or root's): else whoever wrote it could make this process decode files
+    only it may read (a private folder of ours) into a data file they can read.
+
+    Raises:
+        UnsafeCacheError: naming the owner and the fix (``source=``).
+    """
+    mine = (os.geteuid(), 0)
+    for path in (m.path, m.path / fmt.MANIFEST_NAME):
+        try:
+            owner = os.stat(path).st_uid
+        except OSError:
+            continue  # a manifest gone since it was read: its generation's reads fail anyway
+        if owner not in mine:
+            raise UnsafeCacheError(
+                f"{path}: belongs to uid {owner}, so the source its manifest names "
+                f"({m.source.get('root', '')!r}) is not decoded into it; open the cache with "
+                "source= set to that folder if you trust it, or build a cache of your own"
+            )
+
+
 def boot_id() -> str:
     """This boot's id (Linux), or "" where there is none: then every ``filling-`` file counts as
     another boot's."""
@@ -135,7 +167,7 @@ def fill_marker(folder: Path) -> Path:
     """Create this process's ``filling-<token>`` file in ``folder``, holding the boot id, and
     flush it and the folder: it is on disk before any fill it covers."""
     path = folder / f"{fmt.FILL_MARKER_PREFIX}{secrets.token_hex(8)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = create_exclusively(path)
     try:
         os.write(fd, boot_id().encode("ascii"))
         os.fsync(fd)
@@ -175,11 +207,11 @@ def lost_fill_markers(folder: Path) -> list[Path]:
     lost = []
     for n in names:
         try:
-            with open(folder / n, "rb") as f:
+            with os.fdopen(open_for_reading(folder / n), "rb") as f:
                 same = this_boot != "" and f.read(64).decode("ascii", "replace") == this_boot
         except FileNotFoundError:
             continue  # its filler just finished
-        except OSError:
+        except (OSError, CacheError):
             same = False
         if not same:
             lost.append(folder / n)
@@ -205,14 +237,14 @@ def scrub_lost_fills(files: fmt.CacheFiles) -> fmt.CacheFiles:
     if not lost:
         return files
     state = files.state.copy()
-    with open(m.file("data"), "rb") as data:
+    with os.fdopen(open_for_reading(m.file("data")), "rb") as data:
         failed = [
             int(i)
             for i in np.flatnonzero(state["state"] == fmt.FILLED)
             if stored_crc(data.fileno(), files, int(i)) != int(state["crc32"][i])
         ]
     if failed and m.mode == "lazy":
-        fd = os.open(m.file("state"), os.O_WRONLY)
+        fd = open_for_writing(m.file("state"))
         try:
             for i in failed:
                 write_state(fd, i, 0, fmt.EMPTY)

@@ -25,6 +25,12 @@ import numpy as np
 
 from ._files import cut_data_file, fsync_dir
 from ._filler import scrub_lost_fills
+from ._opening import (
+    check_writable_folder,
+    create_exclusively,
+    open_for_reading,
+    open_for_writing,
+)
 from .errors import CacheError, DestinationError, NotACacheError
 from .format import (
     BAD_REASONS,
@@ -72,13 +78,16 @@ def write_generation(
     if fields_blob is not None:
         blobs[FIELDS_KIND] = fields_blob
     for kind, blob in blobs.items():
-        with open(folder / file_name(kind, generation), "wb") as f:
+        with os.fdopen(create_exclusively(folder / file_name(kind, generation)), "wb") as f:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-    with open(folder / file_name("data", data_generation or generation), "r+b") as f:
-        f.truncate(data_bytes)
-        os.fsync(f.fileno())
+    fd = open_for_writing(folder / file_name("data", data_generation or generation))
+    try:
+        os.ftruncate(fd, data_bytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return {**{kind: len(blob) for kind, blob in blobs.items()}, "data": data_bytes}
 
 
@@ -159,9 +168,11 @@ def write_manifest(manifest: Manifest) -> None:
     summed = [kind for kind in manifest.file_kinds if kind not in ("state", "data")]
     m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in summed}
     m["checksums"]["manifest"] = manifest_checksum(m)
-    tmp = folder / f"{MANIFEST_NAME}.tmp{os.getpid()}"
+    # A random name, created exclusively: nothing planted under a name it could guess is used.
+    tmp = folder / f"{MANIFEST_NAME}.tmp{secrets.token_hex(8)}"
+    fd = create_exclusively(tmp)
     try:
-        with open(tmp, "w", encoding="ascii") as f:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
             json.dump(m, f, indent=1, ensure_ascii=True)  # see the spec: non-UTF-8 names
             f.flush()
             os.fsync(f.fileno())
@@ -195,8 +206,11 @@ def prepare_folder(folder: Path) -> bool:
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        check_writable_folder(folder)
         # Opening the lock file for writing is the write test: it is created on the first build.
-        os.close(os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666))
+        os.close(open_lock(folder))
+    except CacheError:
+        raise
     except OSError as e:
         raise DestinationError(f"{folder}: cannot write the cache here ({e.strerror})") from None
     return created
@@ -205,8 +219,14 @@ def prepare_folder(folder: Path) -> bool:
 @contextmanager
 def writer_lock(folder: Path) -> Iterator[None]:
     """Hold the cache's writer lock: writers of one cache run one after the other. A writer
-    that has to wait says so (at INFO, on the ``mmcache`` logger) before it waits."""
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    that has to wait says so (at INFO, on the ``mmcache`` logger) before it waits.
+
+    Raises:
+        UnsafeCacheError: the folder is another user's, or writable by others without the
+            sticky bit; or the lock file is a link.
+    """
+    check_writable_folder(folder)
+    fd = open_lock(folder)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -216,6 +236,17 @@ def writer_lock(folder: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def open_lock(folder: Path) -> int:
+    """A descriptor of the folder's lock file, created if missing (exclusively: a dangling
+    link in its place is refused, never followed to create its target)."""
+    path = folder / LOCK_NAME
+    while True:
+        with suppress(FileNotFoundError):
+            return open_for_writing(path)
+        with suppress(FileExistsError):  # (another writer created it just now: open that)
+            return create_exclusively(path)
 
 
 def open_existing(folder: Path) -> CacheFiles | None:
@@ -306,7 +337,7 @@ def new_generation() -> str:
 def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
     """zlib CRC-32 of a whole file, read in 1 MiB chunks."""
     crc = 0
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(path), "rb") as f:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc

@@ -27,6 +27,7 @@ from . import format as fmt
 from . import pixels as px
 from ._archives import ARCHIVE_KINDS
 from ._filler import RecordFiller, lost_fill_markers
+from ._opening import open_for_reading
 from .decode import undecodable_reason
 from .errors import CacheFormatError, DecodeError
 from .residency import memory
@@ -62,7 +63,9 @@ def rebuilt(cache: Path, found: str, expected: str) -> CacheFormatError:
     )
 
 
-def open_reader(cache: Path, generation: str, verify: bool) -> RecordReader:
+def open_reader(
+    cache: Path, generation: str, verify: bool, source_given: bool = False
+) -> RecordReader:
     """A reader of generation ``generation`` of ``cache``, in a process that has none yet (a
     spawned DataLoader worker, an unpickled dataset).
 
@@ -72,7 +75,21 @@ def open_reader(cache: Path, generation: str, verify: bool) -> RecordReader:
     manifest = fmt.read_manifest(cache)
     if manifest.generation != generation:
         raise rebuilt(cache, manifest.generation, generation)
-    return RecordReader(cache, fmt.read_cache_files(manifest), verify)
+    return RecordReader(cache, fmt.read_cache_files(manifest), verify, source_given)
+
+
+def mapped(path: Path, dtype: np.dtype, count: int, fd: int = -1) -> np.ndarray:
+    """``count`` items of ``dtype`` of the cache file ``path`` (or of its open descriptor
+    ``fd``), mapped read-only and shared; the file opened safely (``open_for_reading``)."""
+    own = fd < 0
+    if own:
+        fd = open_for_reading(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return np.memmap(f, dtype=dtype, mode="r", shape=(count,))
+    finally:
+        if own:
+            os.close(fd)
 
 
 _LAZY = frozenset(("records", "offsets", "shapes", "nbytes", "labels"))
@@ -96,8 +113,12 @@ class RecordReader:
     nbytes: np.ndarray
     labels: np.ndarray
 
-    def __init__(self, cache: Path, files: fmt.CacheFiles, verify: bool) -> None:
+    def __init__(
+        self, cache: Path, files: fmt.CacheFiles, verify: bool, source_given: bool = False
+    ) -> None:
         self.cache, self.files, self.manifest = cache, files, files.manifest
+        # Whether the caller named the source (lazy fills trust the manifest's root then).
+        self.source_given = source_given
         index = files.index
         self.data_path = files.manifest.file("data")
         self.pixels = files.manifest.pixels
@@ -160,19 +181,19 @@ class RecordReader:
             # The record states are mapped shared and read-only: a record another process
             # fills (they write with pwrite) reads FILLED here at once, without a syscall.
             self.states = (
-                np.memmap(m.file("state"), dtype=fmt.STATE_DTYPE, mode="r", shape=(count,))
+                mapped(m.file("state"), fmt.STATE_DTYPE, count)
                 if count
                 else np.zeros(0, fmt.STATE_DTYPE)
             )
             self.codes = self.states["state"]
             # Shared and read-only: pwrites by other processes (lazy fills) show at once, and
             # nothing this process does can change what a later read returns.
+            self.fd = open_for_reading(m.file("data"))
             self.data = data = (
-                np.memmap(m.file("data"), dtype=np.uint8, mode="r", shape=(nbytes,))
+                mapped(m.file("data"), np.dtype(np.uint8), nbytes, self.fd)
                 if nbytes
                 else np.zeros(0, np.uint8)
             )
-            self.fd = os.open(m.file("data"), os.O_RDONLY)
         except FileNotFoundError:
             found = fmt.read_manifest(self.cache).generation
             raise rebuilt(self.cache, found, m.generation) from None
@@ -213,7 +234,7 @@ class RecordReader:
         if code == fmt.EMPTY:
             if self.filler is None or self.filler.pid != os.getpid():
                 # (a forked DataLoader worker fills under a filling- file of its own)
-                self.filler = RecordFiller(self.files)
+                self.filler = RecordFiller(self.files, self.source_given)
             code, pixels = self.filler.fill(i)
             if pixels is not None and self.verified is not None:
                 self.verified[i] = True  # its CRC was computed from these very pixels

@@ -18,6 +18,7 @@ from . import format as fmt
 from . import pixels as px
 from ._files import copy_range
 from ._layout import Layout
+from ._opening import open_for_reading, open_for_writing
 from .annotations import recorded_mask
 from .scan import Listing
 
@@ -131,8 +132,8 @@ def copy_reused(
         return 0, 0
     assert previous is not None  # the records to reuse are previous's
     old = previous.index
-    src_fd = os.open(previous.manifest.file("data"), os.O_RDONLY)
-    dst_fd = os.open(data_path, os.O_WRONLY)
+    src_fd = open_for_reading(previous.manifest.file("data"))
+    dst_fd = open_for_writing(data_path)
     try:
         count = copied = 0
         for i, j in reuse.items():

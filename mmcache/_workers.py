@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import NamedTuple
 
 import cv2
@@ -33,6 +34,7 @@ from . import format as fmt
 from . import pixels as px
 from ._archives import decode_member, is_member
 from ._files import write_pixels
+from ._opening import open_for_writing
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
 from .reports import ProgressFn
@@ -163,7 +165,7 @@ class DecodePool:
 
 
 def _decode_here(jobs: list[list[Job]], data_path: str, opts: Options) -> Iterator[list[Result]]:
-    fd = os.open(data_path, os.O_WRONLY)
+    fd = open_for_writing(Path(data_path))
     capture = StderrCapture()
     try:
         for chunk in jobs:
@@ -373,7 +375,7 @@ def _serve(conn, options: dict) -> None:
             if kind == "file":
                 if fd >= 0:
                     os.close(fd)
-                fd = os.open(value, os.O_WRONLY)
+                fd = open_for_writing(Path(value))
                 continue
             for job in value:
                 conn.send(("done", _decode_job(fd, opts, capture, job)))

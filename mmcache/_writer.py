@@ -45,6 +45,7 @@ from ._generation import (
     writer_lock,
 )
 from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
+from ._opening import open_for_writing
 from ._reuse import carry_skips, copy_reused, keep_in_place, kept_records, reusable
 from ._staleness import (
     carried_trust,
@@ -833,7 +834,7 @@ def _append_overflow(
     data_bytes: int,
 ) -> int:
     """Append records whose header did not predict their size after the planned region."""
-    fd = os.open(data_path, os.O_WRONLY)
+    fd = open_for_writing(data_path)
     try:
         end = aligned(data_bytes)
         for i in sorted(overflow):

@@ -32,6 +32,7 @@ from ._generation import (
     write_manifest,
     writer_lock,
 )
+from ._opening import open_for_reading
 from .errors import CacheFormatError, DestinationError
 from .reports import CopyReport, ProgressFn, VerifyReport
 from .space import check_free_space, disk_bytes
@@ -75,7 +76,7 @@ def copy_cache(
     try:
         for kind in m.file_kinds:
             try:
-                fds[kind] = os.open(m.file(kind), os.O_RDONLY)
+                fds[kind] = open_for_reading(m.file(kind))
             except FileNotFoundError:
                 raise CacheFormatError(
                     f"{m.file(kind)}: missing (the cache is being rebuilt, or is damaged); "
@@ -134,6 +135,11 @@ def _copy_generation(
         # after writing its pixels, so every record FILLED in the copied state is in the copy.
         first = [kind for kind in m.file_kinds if kind not in ("state", "data")]
         for kind in (*first, "state", "data"):
+            if kind == "data":
+                # Only the bytes of records FILLED now (a superset of those the copied state
+                # calls FILLED, each checked below): never an empty record's bytes, which no
+                # CRC vouches for (the file could be another's, hard-linked in).
+                regions["data"] = _filled_regions(fds["state"], files)
             dst = create_generation_file(folder, kind, gen, m.sizes[kind])  # holes stay
             try:
                 for offset, length in regions[kind]:
@@ -172,6 +178,28 @@ def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
         regions.append((start, end - start))
         pos = end
     return regions
+
+
+def _filled_regions(state_fd: int, files: fmt.CacheFiles) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the data file's parts that hold records FILLED in the state
+    file ``state_fd`` now; records that follow each other (but for padding) make one part."""
+    m = files.manifest
+    state = np.frombuffer(os.pread(state_fd, m.sizes["state"], 0), fmt.STATE_DTYPE)
+    if len(state) != m.count:
+        raise CacheFormatError(f"{m.file('state')}: changed size while it was copied")
+    filled = np.flatnonzero(state["state"] == fmt.FILLED)
+    if not len(filled):
+        return []
+    starts = files.index["offset"].astype(np.int64)[filled]
+    ends = starts + fmt.record_nbytes(files.index, m.pixels, m.mask).astype(np.int64)[filled]
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    padded = -(-ends // fmt.DATA_ALIGN) * fmt.DATA_ALIGN
+    # A part ends where the next record starts past the previous one's padding.
+    breaks = np.flatnonzero(starts[1:] > padded[:-1])
+    firsts = np.concatenate([[0], breaks + 1])
+    lasts = np.concatenate([breaks, [len(starts) - 1]])
+    return [(int(s), int(e - s)) for s, e in zip(starts[firsts], ends[lasts])]
 
 
 def _verify(source: fmt.CacheFiles, copy: fmt.Manifest) -> int:

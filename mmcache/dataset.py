@@ -184,6 +184,7 @@ class MemmapImageDataset(Dataset):
         self.target_transform = target_transform
         self.on_bad = on_bad
         self.verify = verify
+        self._source_given = source is not None  # lazy fills trust the recorded root then
         files = self._open(source, Options(**options), on_stale, replace, source_moved)
         self.generation = files.manifest.generation
         self._attach(files)
@@ -296,7 +297,7 @@ class MemmapImageDataset(Dataset):
 
     def _attach(self, files: fmt.CacheFiles) -> None:
         self._reader: RecordReader | None = RecordReader(
-            self.cache, files, verify=self.verify is not None
+            self.cache, files, verify=self.verify is not None, source_given=self._source_given
         )
         self._warned: set[int] = set()  # bad records this process has warned of
 
@@ -307,7 +308,9 @@ class MemmapImageDataset(Dataset):
         reader = self._reader
         if reader is None:
             verify = self.verify is not None
-            reader = self._reader = open_reader(self.cache, self.generation, verify)
+            reader = self._reader = open_reader(
+                self.cache, self.generation, verify, self._source_given
+            )
         return reader
 
     def __getstate__(self) -> dict[str, Any]:

@@ -33,12 +33,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from . import _writer as writer
+from ._opening import open_for_writing
 from ._workers import Result, decode_records
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
@@ -255,7 +257,7 @@ def _decode_share(
     data_path, options, jobs = share
     where = f"rank {rank} ({socket.gethostname()})"
     try:
-        fd = os.open(data_path, os.O_WRONLY)
+        fd = open_for_writing(Path(data_path))
     except FileNotFoundError:
         return "error", (
             f"{where}: cannot see {data_path}, which rank 0 created: the cache folder must be "

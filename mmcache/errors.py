@@ -27,6 +27,7 @@ __all__ = [
     "StaleCacheWarning",
     "StateMismatchError",
     "StrictBuildError",
+    "UnsafeCacheError",
 ]
 
 
@@ -78,6 +79,11 @@ class InsufficientSpaceError(CacheError, OSError):
 
 class DestinationError(CacheError, OSError):
     """The cache cannot be written where it was asked to be (permissions, a file in the way)."""
+
+
+class UnsafeCacheError(CacheError, PermissionError):
+    """A cache's file or folder that mmcache will not trust: a link, a file with other names,
+    a special file, another user's folder, or a source it was not given."""
 
 
 class DistributedBuildError(CacheError, RuntimeError):

@@ -177,6 +177,7 @@ from ._checks import (
     read_exactly,
     validate_paths,
 )
+from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = [
@@ -477,9 +478,7 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
     try:
-        with open(mpath, "rb") as f:
-            expect(stat.S_ISREG(os.fstat(f.fileno()).st_mode), mpath, "not a regular file")
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CacheNotFoundError(_no_manifest(folder)) from None
     expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
@@ -767,9 +766,11 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     for kind in manifest.file_kinds:
         p = manifest.file(kind)
         try:
-            st = p.stat()
+            st = p.lstat()  # (a link is refused, never followed: see mmcache._opening)
         except FileNotFoundError:
             raise fail(p, "missing (the cache was rebuilt or damaged)") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise link_refused(p)
         expect(stat.S_ISREG(st.st_mode), p, "not a regular file")
         # The data file may be longer than recorded (a filesystem rounding up), never shorter:
         # a read past its end would kill the reader with SIGBUS.

@@ -32,6 +32,7 @@ import psutil
 
 from . import format as fmt
 from ._generation import found_bad, garbage_bytes
+from ._opening import open_for_reading
 from ._staleness import recorded_source, stale_reason
 from .reports import CacheInfo, Memory, ProgressFn, WarmReport
 from .scan import source_exists
@@ -121,7 +122,7 @@ def resident_bytes(path: str | os.PathLike, start: int = 0, stop: int | None = N
     Examples:
         >>> resident_bytes("cache/train/data-0123456789abcdef.bin")  # doctest: +SKIP
     """
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(Path(path)), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         stop = size if stop is None else min(stop, size)
         return _resident_in(f.fileno(), start, stop)
@@ -341,7 +342,7 @@ def _warm_file(
     view = memoryview(buf)
     read = 0
     stopped = False
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_for_reading(Path(path)), "rb", buffering=0) as f:
         fd = f.fileno()
         with _suppress_unsupported():
             os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
@@ -443,7 +444,7 @@ def evict_cache(cache: str | os.PathLike) -> int | None:
 
 def evict_file(path: str | os.PathLike) -> None:
     """Flush one file and advise the kernel to drop its pages (``POSIX_FADV_DONTNEED``)."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(Path(path)), "rb") as f:
         os.fsync(f.fileno())
         with _suppress_unsupported():
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)

@@ -27,12 +27,14 @@ import queue
 import threading
 import warnings
 from collections.abc import Iterator, Sized
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ._opening import open_for_reading
 from ._staleness import recorded_source
 from .dataset import MemmapImageDataset
 from .errors import StateMismatchError
@@ -467,7 +469,7 @@ class ReadAhead:
         self.stopped = False
         self.warned = False
         try:
-            self.fd = os.open(path, os.O_RDONLY)
+            self.fd = open_for_reading(Path(path))
         except OSError:
             self.fd = -1  # a rebuilt cache: the dataset will say so; reading ahead is a hint
         self.thread = None

@@ -20,8 +20,9 @@ import numpy as np
 from . import _writer as writer
 from . import format as fmt
 from ._archives import ARCHIVE_KINDS, RecordedMembers, member_file
-from ._filler import lost_fill_markers
+from ._filler import check_trusted_source, lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
+from ._opening import open_for_reading
 from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
@@ -156,6 +157,7 @@ def repair_cache(
     with writer_lock(folder):
         files = fmt.open_cache(folder)
         files = remove_stale_generations(folder, files) or files
+        check_trusted_source(files.manifest)  # its records are decoded from the recorded root
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)
@@ -199,7 +201,7 @@ def check_checksums(
     lost = ""
     if files.manifest.mode == "lazy" and lost_fill_markers(files.manifest.path):
         lost = ": a fill lost in a power cut, filled again when read"
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_for_reading(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         k = 0
@@ -271,7 +273,7 @@ def _compare_source(
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(path), "rb") as f:
         for done, r in enumerate(records, 1):
             if int(r) in known:  # a record already found bad is not compared again
                 pass

@@ -204,7 +204,10 @@ def _spy_reads(monkeypatch, data_path):
 
     def spy_open(path, *a, **kw):
         fd = real_open(path, *a, **kw)
-        if os.path.samefile(path, data_path):
+        # Compared by the descriptor: a cache file is opened by its name relative to a
+        # descriptor of its folder (dir_fd), not by its path.
+        st, data = os.fstat(fd), os.stat(data_path)
+        if (st.st_dev, st.st_ino) == (data.st_dev, data.st_ino):
             fds.add(fd)
         return fd
 
