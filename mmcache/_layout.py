@@ -75,7 +75,7 @@ def probe_sizes(
     for k, i in enumerate(records.tolist()):
         try:
             if listing.members is not None:  # an archive's member
-                size = listing.members.probe(i)
+                size = listing.members.probe(i, int(listing.sizes[i]))
             else:
                 size = probe_size(listing.abspath(i))
         except OSError:

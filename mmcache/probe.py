@@ -15,7 +15,7 @@ import os
 import struct
 import zlib
 
-__all__ = ["probe_size", "sniff_format"]
+__all__ = ["declared_size", "probe_size", "sniff_format"]
 
 # --- limits -------------------------------------------------------------------------------------
 
@@ -138,6 +138,35 @@ def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:
         except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
             # struct/Index/Value/OverflowError are defence in depth: the parsers check bounds
             # first, but a hostile file must degrade to "unsure", never crash a dataset scan.
+            return None
+    finally:
+        os.close(fd)
+
+
+def declared_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The (height, width) an image's header declares, before any pixel is decoded; else None.
+
+    Unlike ``probe_size`` it does not promise what ``imread`` returns, only how many pixels a
+    decode would allocate (``max_pixels`` is checked on it before decoding): orientation aside,
+    and for a PNG from its IHDR alone, which libpng reads first whatever chunks follow (a 5 MiB
+    text chunk leaves ``probe_size`` unsure, not this).
+
+    Raises:
+        OSError: The file cannot be opened or read.
+    """
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & _S_IFMT != _S_IFREG:
+            return None
+        reader = _Reader(fd, st.st_size)
+        ihdr = reader.head[8:24]
+        if sniff_format(reader.head) == "PNG" and ihdr[:8] == b"\x00\x00\x00\x0dIHDR":
+            width, height = struct.unpack_from(">II", ihdr, 8)
+            return height, width
+        try:
+            return _probe(reader)
+        except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
             return None
     finally:
         os.close(fd)

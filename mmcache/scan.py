@@ -91,7 +91,7 @@ class Listing:
             OSError: its file cannot be opened or read.
         """
         if self.members is not None:
-            return self.members.probe(i)
+            return self.members.probe(i, int(self.sizes[i]))
         return probe_size(self.abspath(i))
 
     def fingerprint(self) -> str:
