@@ -42,6 +42,7 @@ truncation check and reasons are exactly those of the same bytes in a file.
 from __future__ import annotations
 
 import calendar
+import errno
 import io
 import json
 import os
@@ -140,7 +141,7 @@ class Members:
         ``size``: the member's size as listed (a deflated one inflates to no more)."""
         ref = parse_ref(self.ref(i))
         try:
-            fd = os.open(ref.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_archive(ref.archive)
         except OSError:
             return None
         try:
@@ -206,7 +207,7 @@ def decode_member(
         return fmt.BAD_SOURCE_CHANGED, 0, path[len(_GONE) :], None
     ref = parse_ref(path)
     try:
-        fd = os.open(ref.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_archive(ref.archive)
     except OSError:
         return fmt.BAD_SOURCE_CHANGED, 0, "its archive vanished since it was listed", None
     try:
@@ -320,6 +321,9 @@ class _Table:
 
     def add_archive(self, path: Path) -> int:
         st = path.stat()
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise SourceError(f"{path}: not a regular file (a FIFO, device or folder), so not "
+                              "an archive mmcache reads")  # fmt: skip
         self.archives.append(str(path))
         self.stats.append((st.st_size, st.st_mtime_ns))
         return len(self.archives) - 1
@@ -409,10 +413,27 @@ def _compressed(path: Path, what: str, how: str) -> SourceError:
     )
 
 
+def open_archive(path: str | os.PathLike) -> int:
+    """A descriptor on the archive ``path``, which must be a regular file: opened without
+    blocking, so that a FIFO in its place never hangs a scan or a read.
+
+    Raises:
+        OSError: it cannot be opened, or it is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENXIO, "not a regular file (a FIFO, device or folder)")
+    return fd
+
+
 def _refuse_compressed(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fd = open_archive(path)
+        try:
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise SourceError(f"{path}: cannot read the archive ({e.strerror})") from None
     for magic, (name, tool) in _COMPRESSED_MAGIC.items():
@@ -815,7 +836,7 @@ def member_file(ref: str) -> Iterator[str | None]:
         return
     r = parse_ref(ref)
     try:
-        fd = os.open(r.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_archive(r.archive)
     except OSError:
         yield None
         return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import resource
 import struct
@@ -13,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_image
+from conftest import reseal, write_image
 
-from mmcache import BatchLoader, MemmapImageDataset, build_cache
+import mmcache._staleness
+from mmcache import BatchLoader, MemmapImageDataset, build_cache, cache_info
 from mmcache import format as fmt
 from mmcache.errors import CacheFormatError, SourceError
 
@@ -169,3 +172,40 @@ def test_batch_loader_verifies_on_first_read_as_ds_does(tmp_path):
     with pytest.raises(CacheFormatError, match="damaged"):
         list(BatchLoader(ds, batch_size=4, shuffle=False, num_threads=1))
     assert np.array_equal(ds[0][0], MemmapImageDataset(cache)[0][0])
+
+
+def _shard(path: Path, png: bytes) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("k.png", png), ("k.cls", b"0")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_fifo_among_shards_is_refused_without_blocking(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _shard(shards / "s-0.tar", write_image(tmp_path / "x.png", 4, 4).read_bytes())
+    os.mkfifo(shards / "s-1.tar")  # opened for reading, it would wait for a writer forever
+    message = _scan_error(shards)
+    assert "s-1.tar" in message and "not a regular file" in message
+
+
+def test_a_manifest_naming_a_huge_root_is_not_walked_whole(tmp_path, monkeypatch):
+    # The check's walk stops after 4 entries per record and EXTRA_ENTRIES (100,000; 10 here):
+    # a manifest naming / as its source must not make info or an open walk the file system.
+    monkeypatch.setattr(mmcache._staleness, "EXTRA_ENTRIES", 10, raising=False)
+    for i in range(2):
+        write_image(tmp_path / "src" / "a" / f"{i}.png", 4, 4, seed=i)
+    cache = tmp_path / "c"
+    build_cache(tmp_path / "src", cache, workers=1)
+    huge = tmp_path / "huge"
+    for i in range(30):
+        write_image(huge / "a" / f"{i}.png", 1, 1)
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    m["source"]["root"] = str(huge)
+    m.pop("source_stamps", None)  # the quick check cannot vouch for the new root
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    reseal(cache)
+    info = cache_info(cache)
+    assert info.stale is not None and "holds more than 18 files and folders" in info.stale
