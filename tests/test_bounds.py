@@ -209,3 +209,40 @@ def test_a_manifest_naming_a_huge_root_is_not_walked_whole(tmp_path, monkeypatch
     reseal(cache)
     info = cache_info(cache)
     assert info.stale is not None and "holds more than 18 files and folders" in info.stale
+
+
+def _forged_count(tmp_path: Path, count: int) -> Path:
+    """A built cache whose manifest declares ``count`` records, its index, state and paths
+    files grown to match as sparse files (a few KB on disk)."""
+    for i in range(2):
+        write_image(tmp_path / "src" / "a" / f"{i}.png", 4, 4, seed=i)
+    cache = tmp_path / "c"
+    build_cache(tmp_path / "src", cache, workers=1)
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    m["count"] = count
+    m["sizes"]["index"] = count * fmt.INDEX_DTYPE.itemsize
+    m["sizes"]["state"] = count * fmt.STATE_DTYPE.itemsize
+    m["sizes"]["paths"] = count * 8
+    for kind in ("index", "state", "paths"):
+        os.truncate(cache / m["files"][kind], m["sizes"][kind])
+    m["checksums"]["manifest"] = fmt.manifest_checksum(m)
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    return cache
+
+
+def test_a_sparse_cache_declaring_50m_records_is_refused_before_allocating(tmp_path):
+    cache = _forged_count(tmp_path, 50_000_000)
+    out = run_bounded(
+        "from mmcache import format as fmt\nfrom mmcache.errors import CacheFormatError\n"
+        f"try:\n    fmt.open_cache({str(cache)!r})\nexcept CacheFormatError as e:\n    print(e)\n"
+    )
+    assert "index-" in out and "a sparse file: its bytes from " in out
+
+
+def test_a_manifest_of_millions_of_tiny_values_is_refused_before_parsing(tmp_path):
+    cache = _forged_count(tmp_path, 2)
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    raw = json.dumps(m)[:-1] + ', "x": [' + "[]," * (6 << 20) + "[]]}"  # 18 MiB, ~0.6 GB parsed
+    (cache / fmt.MANIFEST_NAME).write_text(raw)
+    with pytest.raises(CacheFormatError, match=r"manifest.json: .* whose parse would take about"):
+        fmt.read_manifest(cache)
