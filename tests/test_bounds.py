@@ -18,7 +18,7 @@ import pytest
 from conftest import reseal, write_image
 
 import mmcache._staleness
-from mmcache import BatchLoader, MemmapImageDataset, build_cache, cache_info
+from mmcache import BatchLoader, MemmapImageDataset, build_cache, cache_info, create_lazy_cache
 from mmcache import format as fmt
 from mmcache.errors import CacheFormatError, SourceError
 
@@ -246,3 +246,29 @@ def test_a_manifest_of_millions_of_tiny_values_is_refused_before_parsing(tmp_pat
     (cache / fmt.MANIFEST_NAME).write_text(raw)
     with pytest.raises(CacheFormatError, match=r"manifest.json: .* whose parse would take about"):
         fmt.read_manifest(cache)
+
+
+def test_a_lazy_manifest_asking_for_huge_records_fills_none(tmp_path):
+    # A lazy cache forged to ask size=16384x16384: 805 MB decoded and written per read.
+    for i in range(2):
+        write_image(tmp_path / "src" / "a" / f"{i}.png", 8, 8, seed=i)
+    cache = tmp_path / "c"
+    create_lazy_cache(tmp_path / "src", cache, size=(8, 8))
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    side = 16384
+    nbytes = side * side * 3
+    index = np.fromfile(cache / m["files"]["index"], fmt.INDEX_DTYPE)
+    index["height"], index["width"] = side, side
+    index["offset"] = np.arange(len(index)) * nbytes
+    index.tofile(cache / m["files"]["index"])
+    m["options"]["size"] = [side, side]
+    m["sizes"]["data"] = len(index) * nbytes
+    os.truncate(cache / m["files"]["data"], m["sizes"]["data"])  # sparse
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    m = reseal(cache)
+    out = run_bounded(
+        "from pathlib import Path\nfrom mmcache._records import open_reader\n"
+        f"r = open_reader(Path({str(cache)!r}), {m['generation']!r}, False)\n"
+        "print(r.stored_or_none(0) is None, r.codes[0])\n"
+    )
+    assert out.split() == ["True", str(fmt.BAD_TOO_LARGE)]
