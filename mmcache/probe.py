@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Callable
 
 __all__ = ["declared_size", "probe_size", "sniff_format"]
 
@@ -127,20 +128,7 @@ def probe_size(path: str | os.PathLike) -> tuple[int, int] | None:
     Raises:
         OSError: The file cannot be opened or read (e.g. ``FileNotFoundError``).
     """
-    fd = os.open(path, _OPEN_FLAGS)
-    try:
-        st = os.fstat(fd)
-        if st.st_mode & _S_IFMT != _S_IFREG:
-            return None  # directories, FIFOs, devices: imread reads none of them
-        reader = _Reader(fd, st.st_size)
-        try:
-            return _probe(reader)
-        except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
-            # struct/Index/Value/OverflowError are defence in depth: the parsers check bounds
-            # first, but a hostile file must degrade to "unsure", never crash a dataset scan.
-            return None
-    finally:
-        os.close(fd)
+    return _probe_file(path, _probe)
 
 
 def declared_size(path: str | os.PathLike) -> tuple[int, int] | None:
@@ -154,19 +142,33 @@ def declared_size(path: str | os.PathLike) -> tuple[int, int] | None:
     Raises:
         OSError: The file cannot be opened or read.
     """
+    return _probe_file(path, _declared)
+
+
+def _declared(r: _Reader) -> tuple[int, int] | None:
+    ihdr = r.head[8:24]
+    if sniff_format(r.head) == "PNG" and ihdr[:8] == b"\x00\x00\x00\x0dIHDR":
+        width, height = struct.unpack_from(">II", ihdr, 8)
+        return height, width
+    return _probe(r)
+
+
+def _probe_file(
+    path: str | os.PathLike, probe: Callable[[_Reader], tuple[int, int] | None]
+) -> tuple[int, int] | None:
+    """``probe`` of the regular file ``path``; None for any other kind of file, or a header
+    that does not settle the size."""
     fd = os.open(path, _OPEN_FLAGS)
     try:
         st = os.fstat(fd)
         if st.st_mode & _S_IFMT != _S_IFREG:
-            return None
+            return None  # directories, FIFOs, devices: imread reads none of them
         reader = _Reader(fd, st.st_size)
-        ihdr = reader.head[8:24]
-        if sniff_format(reader.head) == "PNG" and ihdr[:8] == b"\x00\x00\x00\x0dIHDR":
-            width, height = struct.unpack_from(">II", ihdr, 8)
-            return height, width
         try:
-            return _probe(reader)
+            return probe(reader)
         except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
+            # struct/Index/Value/OverflowError are defence in depth: the parsers check bounds
+            # first, but a hostile file must degrade to "unsure", never crash a dataset scan.
             return None
     finally:
         os.close(fd)
