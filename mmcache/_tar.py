@@ -235,6 +235,10 @@ def read_by_tarfile(
                 break
             # tarfile keeps every header it read: 1.28 M of them would cost ~1 GB.
             tf.members.clear()  # type: ignore[attr-defined]
+            if m.size < 0 or m.offset_data + m.size > size:
+                # A negative size would make tarfile read this header again, forever.
+                raise broken(where, f"the header at byte {m.offset:,} gives its member "
+                              f"{m.size:,} bytes, which the archive cannot hold")  # fmt: skip
             count += 1
             kind = "dir" if m.isdir() else "link" if m.issym() or m.islnk() else "other"
             kind = "file" if m.isreg() else kind

@@ -76,6 +76,16 @@ def test_a_negative_tar_member_size_is_refused_not_looped_on(tmp_path):
     assert "neg.tar" in message and "negative size (-512 bytes)" in message
 
 
+def test_a_negative_size_after_a_sparse_header_is_refused_by_tarfile_too(tmp_path):
+    # A sparse header first: the tar is read by tarfile, which looped on -512 as well.
+    tar = tmp_path / "sparse.tar"
+    _tar_with_size_field(tmp_path / "s", b"%011o\0" % 0, kind=b"S")
+    _tar_with_size_field(tar, b"\xff" + (-512 % (1 << 88)).to_bytes(11, "big"))
+    tar.write_bytes((tmp_path / "s").read_bytes()[:512] + tar.read_bytes())
+    message = _scan_error(tar)
+    assert "sparse.tar" in message and "gives its member -512 bytes" in message
+
+
 def test_a_tar_member_larger_than_its_archive_is_refused(tmp_path):
     tar = tmp_path / "big.tar"
     _tar_with_size_field(tar, b"\x80" + (1 << 40).to_bytes(11, "big"))
