@@ -42,6 +42,7 @@ truncation check and reasons are exactly those of the same bytes in a file.
 from __future__ import annotations
 
 import calendar
+import errno
 import io
 import json
 import os
@@ -88,6 +89,12 @@ _DECOMPRESS_BY_SUFFIX = {
 }  # fmt: skip
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _STORED, _DEFLATED = 0, 8
+# The most bytes a deflated zip member may inflate to, whatever its header declares: a BMP of
+# the default max_pixels (89,478,485 x 3 bytes) fits, and a 1 MiB member that inflates to
+# 1 GiB (a zip bomb) is refused after 256 MiB of output, never decompressed whole.
+MAX_INFLATED = 1 << 28
+# The most bytes of a shard's .cls or .json label member read (a label is a few bytes).
+_MAX_LABEL = 1 << 20
 # A member as the scan keeps it: (archive, offset, stored length, method, crc, size, mtime_ns).
 Row = tuple[int, int, int, int, int, int, int]
 
@@ -136,17 +143,18 @@ class Members:
         )  # fmt: skip
         return MEMBER_MARK + "\0".join(str(f) for f in fields)
 
-    def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
-        """The (height, width) of member ``i`` from its header, as ``probe.probe_size``."""
+    def probe(self, i: int, size: int, exif: bool = True) -> tuple[int, int] | None:
+        """The (height, width) of member ``i`` from its header, as ``probe.probe_size``;
+        ``size``: the member's size as listed (a deflated one inflates to no more)."""
         ref = parse_ref(self.ref(i))
         try:
-            fd = os.open(ref.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_archive(ref.archive)
         except OSError:
             return None
         try:
             if ref.method == _STORED:
                 return probe_region(fd, ref.offset, ref.length, exif)
-            data = _read_member(fd, ref)
+            data = _read_member(fd, ref, size)
         finally:
             os.close(fd)
         if isinstance(data, str):
@@ -206,13 +214,13 @@ def decode_member(
         return fmt.BAD_SOURCE_CHANGED, 0, path[len(_GONE) :], None
     ref = parse_ref(path)
     try:
-        fd = os.open(ref.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_archive(ref.archive)
     except OSError:
         return fmt.BAD_SOURCE_CHANGED, 0, "its archive vanished since it was listed", None
     try:
         if _stat_key(fd) != (ref.archive_size, ref.archive_mtime_ns):
             return fmt.BAD_SOURCE_CHANGED, 0, "its archive changed since it was listed", None
-        data = _read_member(fd, ref)
+        data = _read_member(fd, ref, size)
         if _stat_key(fd) != (ref.archive_size, ref.archive_mtime_ns):
             return fmt.BAD_SOURCE_CHANGED, 0, "its archive changed while it was read", None
     finally:
@@ -231,8 +239,13 @@ def _stat_key(fd: int) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def _read_member(fd: int, ref: MemberRef) -> bytes | str:
-    """The member's bytes, or why they cannot be had (a str)."""
+def _read_member(fd: int, ref: MemberRef, declared: int) -> bytes | str:
+    """The member's bytes, or why they cannot be had (a str): a deflated member inflates to at
+    most ``declared`` bytes (what its header says) and ``MAX_INFLATED``."""
+    limit = min(declared, MAX_INFLATED)
+    if ref.method == _DEFLATED and declared > MAX_INFLATED:
+        return (f"its header says it inflates to {declared:,} bytes, more than the "
+                f"{MAX_INFLATED:,} mmcache inflates a zip member to")  # fmt: skip
     raw = pread_all(fd, ref.length, ref.offset)
     if len(raw) != ref.length:
         return "the archive ends inside this member: it is truncated"
@@ -240,9 +253,14 @@ def _read_member(fd: int, ref: MemberRef) -> bytes | str:
     if ref.method == _DEFLATED:
         try:
             d = zlib.decompressobj(-15)  # a zip's raw deflate stream
-            data = d.decompress(raw) + d.flush()
+            # One byte past the limit tells a member that inflates beyond it (a bomb) from
+            # one that fits, without ever holding more than the limit.
+            data = d.decompress(raw, limit + 1)
         except zlib.error as e:
             return f"its compressed bytes are damaged in the zip ({e})"
+        if len(data) > limit or d.unconsumed_tail:
+            return (f"it inflates to more than {limit:,} bytes (what its header declares, at "
+                    f"most {MAX_INFLATED:,}): the archive is damaged or hostile")  # fmt: skip
     if ref.crc >= 0 and zlib.crc32(data) != ref.crc:
         return "its bytes fail the zip's CRC-32 check: the archive is damaged"
     return data
@@ -310,6 +328,9 @@ class _Table:
 
     def add_archive(self, path: Path) -> int:
         st = path.stat()
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise SourceError(f"{path}: not a regular file (a FIFO, device or folder), so not "
+                              "an archive mmcache reads")  # fmt: skip
         self.archives.append(str(path))
         self.stats.append((st.st_size, st.st_mtime_ns))
         return len(self.archives) - 1
@@ -400,10 +421,27 @@ def _compressed(path: Path, what: str, how: str) -> SourceError:
     )
 
 
+def open_archive(path: str | os.PathLike) -> int:
+    """A descriptor on the archive ``path``, which must be a regular file: opened without
+    blocking, so that a FIFO in its place never hangs a scan or a read.
+
+    Raises:
+        OSError: it cannot be opened, or it is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENXIO, "not a regular file (a FIFO, device or folder)")
+    return fd
+
+
 def _refuse_compressed(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fd = open_archive(path)
+        try:
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise SourceError(f"{path}: cannot read the archive ({e.strerror})") from None
     for magic, (name, tool) in _COMPRESSED_MAGIC.items():
@@ -725,6 +763,8 @@ def _sample_label(fd: int, group: dict[str, tuple[str, Row]], label_key: str | N
     if member is None:
         return f"\0no .{ext} member beside it: left out"
     row = member[1]
+    if int(row[2]) > _MAX_LABEL:
+        return f"\0its .{ext} member holds {int(row[2]):,} bytes, not a label: left out"
     raw = os.pread(fd, int(row[2]), int(row[1]))
     try:
         text = raw.decode("utf-8").strip()
@@ -808,13 +848,13 @@ def member_file(ref: str) -> Iterator[str | None]:
         return
     r = parse_ref(ref)
     try:
-        fd = os.open(r.archive, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_archive(r.archive)
     except OSError:
         yield None
         return
     try:
         same = _stat_key(fd) == (r.archive_size, r.archive_mtime_ns)
-        data = _read_member(fd, r) if same else ""
+        data = _read_member(fd, r, MAX_INFLATED) if same else ""
     finally:
         os.close(fd)
     if isinstance(data, str):

@@ -38,6 +38,24 @@ def is_name(v: Any, limit: int) -> bool:
     return isinstance(v, str) and 0 < len(v) <= limit and "\x00" not in v
 
 
+def expect_written(path: Path, size: int) -> None:
+    """``path``'s first ``size`` bytes are on disk, not a hole: a file a writer wrote whole
+    (index, paths) that is sparse was forged to make us allocate what it does not hold (a
+    cache declaring 50 M records in a few KB), and is refused before it is read."""
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    if seek_hole is None or size == 0:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        hole = os.lseek(fd, 0, seek_hole)
+    except OSError:
+        return  # a file system that cannot tell: the reads that follow check what they can
+    finally:
+        os.close(fd)
+    expect(hole >= size, path, f"a sparse file: its bytes from {hole:,} on were never written, "
+           f"yet the manifest says it holds {size:,}; it was not written by mmcache")  # fmt: skip
+
+
 def read_exactly(path: Path, size: int) -> bytearray:
     """``size`` bytes of ``path``; a file that shrank since it was measured is an error."""
     buf = bytearray(size)

@@ -35,7 +35,7 @@ from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
 from ._files import fsync_dir, write_pixels, write_state
 from ._opening import create_exclusively, open_for_reading, open_for_writing
 from .annotations import recorded_mask_file
-from .decode import Options, decode_record
+from .decode import DEFAULT_MAX_PIXELS, Options, decode_record
 from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
 from .scan import IMAGE_EXTENSIONS
 from .space import disk_full_error
@@ -93,7 +93,13 @@ class RecordFiller:
         if fmt.check_relative_path(rel) is not None:
             raise CacheFormatError(f"{self.files.manifest.path}: unsafe source path {rel!r}")
         size, mtime = int(r["source_size"]), int(r["source_mtime_ns"])
-        if self.members is None:
+        height, width, _ = self.files.shape(i)
+        if height * width > min(self.options.max_pixels or DEFAULT_MAX_PIXELS, DEFAULT_MAX_PIXELS):
+            # The record's shape comes from the manifest, which anyone may have written: a
+            # size=16384x16384 would make each read decode and write 805 MB. Such a cache is
+            # built (``build``), with the user's own options, never filled from a manifest's.
+            code, crc, pixels = fmt.BAD_TOO_LARGE, 0, None
+        elif self.members is None:
             mask = recorded_mask_file(self.files, i)
             code, crc, _, pixels = decode_record(
                 os.path.join(self.root, rel), size, mtime, self.options, mask=mask

@@ -106,7 +106,7 @@ def probe_sizes(
     for k, i in enumerate(records.tolist()):
         try:
             if listing.members is not None:  # an archive's member
-                size = listing.members.probe(i, exif)
+                size = listing.members.probe(i, int(listing.sizes[i]), exif)
             else:
                 size = probe_size(listing.abspath(i), exif)
         except OSError:

@@ -220,7 +220,9 @@ class RecordReader:
         are read with ``read``, which fills them); a bool array."""
         self.mapping()
         filled = self.codes[indices] == fmt.FILLED
-        if self.unsure and self.verified is not None:  # the others are checked by ``read``
+        # Records not yet checked (verify="first-read", or fills a power cut may have lost)
+        # are read with ``read``, which checks their CRC-32 first, as ds[i] does.
+        if self.verified is not None:
             filled &= self.verified[indices]
         return filled
 

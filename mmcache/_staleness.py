@@ -19,7 +19,7 @@ import numpy as np
 from . import format as fmt
 from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
-from .scan import Listing, diff_listings, scan_source, source_exists
+from .scan import Listing, diff_listings, scan_within, source_exists
 
 
 def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
@@ -33,14 +33,23 @@ def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
     }
 
 
-def rescan(m: fmt.Manifest) -> Listing:
+# How many entries the staleness check's walk of a folder source may meet per record, and
+# beyond them: a source grows, and holds other files, but a cache of a few records whose
+# manifest names ``/`` must not make ``info`` or an open walk the whole file system.
+ENTRIES_PER_RECORD = 4
+EXTRA_ENTRIES = 100_000
+
+
+def rescan(m: fmt.Manifest, bounded: bool = False) -> Listing:
     """The source cache ``m`` was made from, scanned now, with the masks and COCO file it
-    records (the user's arrays, which it cannot find again, left out).
+    records (the user's arrays, which it cannot find again, left out). ``bounded``: give up on
+    a folder that holds far more entries than the cache has records (a staleness check).
 
     Raises:
-        SourceError: as ``scan_source`` and ``annotate``.
+        SourceError: as ``scan_source`` and ``annotate``; ``bounded``, a source too large.
     """
-    listing = scan_source(recorded_source(m), label_key=m.source.get("label_key"))
+    limit = ENTRIES_PER_RECORD * m.count + EXTRA_ENTRIES if bounded else None
+    listing = scan_within(recorded_source(m), m.source.get("label_key"), limit)
     listing.annotations = annotate(listing, m.source.get("masks"), m.source.get("coco"))
     return listing
 
@@ -191,7 +200,7 @@ def stale_reason(
         source = recorded_source(m)
         if source and source_exists(source):
             try:
-                listing = rescan(m)
+                listing = rescan(m, bounded=True)
             except Exception as e:  # a source that now fails to scan has changed, in a way
                 reasons.append(f"the source cannot be scanned ({e})")
     if listing is not None:

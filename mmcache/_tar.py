@@ -74,6 +74,10 @@ class OtherHeaders(Exception):
 _KINDS = {b"0": "file", b"\0": "file", b"7": "file", b"5": "dir", b"1": "link", b"2": "link",
           b"3": "other", b"4": "other", b"6": "other"}  # fmt: skip
 _READ = 8192  # bytes read at once: the header and, for small images, the next few headers
+# The most bytes a long-name, long-link or pax header may hold: a path is at most 4,096 bytes
+# on Linux, so 1 MiB leaves room for any honest pax header and refuses one sized to fill memory.
+MAX_HEADER_DATA = 1 << 20
+_HEADER_NAMES = {b"L": "GNU long-name", b"K": "GNU long-link", b"x": "pax", b"g": "pax global"}
 
 
 def read_headers(fd: int, start: int, size: int, where: str) -> Iterator[TarMember]:
@@ -108,10 +112,20 @@ def read_headers(fd: int, start: int, size: int, where: str) -> Iterator[TarMemb
         if "size" in pax:
             length = _pax_int(pax, "size", where, pos)
         data = pos + 512
+        if length < 0:
+            # GNU base-256 can say -1: the next header would be this one again, forever.
+            raise broken(where, f"the header at byte {pos:,} gives its member a negative size "
+                          f"({length:,} bytes)")  # fmt: skip
+        if data + length > size:
+            raise broken(where, f"the header at byte {pos:,} gives its member {length:,} "
+                          f"bytes, but the archive ends {size - data:,} bytes after it: it is "
+                          "truncated")  # fmt: skip
         pos = data + (length + 511) // 512 * 512
         if kind in (b"L", b"K", b"x", b"g"):  # this header's data describes the next member
-            if data + length > size:
-                raise broken(where, f"it ends inside the header at byte {data:,}")
+            if length > MAX_HEADER_DATA:
+                raise broken(where, f"the {_HEADER_NAMES[kind]} header at byte {data - 512:,} "
+                              f"holds {length:,} bytes, more than the {MAX_HEADER_DATA:,} a "
+                              "name or pax header may")  # fmt: skip
             payload = pread_all(fd, length, start + data)
             if kind == b"L":
                 long_name = payload.split(b"\0", 1)[0]
@@ -221,6 +235,10 @@ def read_by_tarfile(
                 break
             # tarfile keeps every header it read: 1.28 M of them would cost ~1 GB.
             tf.members.clear()  # type: ignore[attr-defined]
+            if m.size < 0 or m.offset_data + m.size > size:
+                # A negative size would make tarfile read this header again, forever.
+                raise broken(where, f"the header at byte {m.offset:,} gives its member "
+                              f"{m.size:,} bytes, which the archive cannot hold")  # fmt: skip
             count += 1
             kind = "dir" if m.isdir() else "link" if m.issym() or m.islnk() else "other"
             kind = "file" if m.isreg() else kind

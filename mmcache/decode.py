@@ -36,7 +36,7 @@ from . import pixels as px
 from ._interpolation import NAMES, OPENCV, from_stored, interpolation_name, to_stored
 from .annotations import mask_record
 from .errors import DecodeError
-from .probe import probe_size, sniff_format
+from .probe import declared_size, probe_size, sniff_format
 
 __all__ = [
     "COLORS",
@@ -275,12 +275,19 @@ def read_image(
     options shrink by 2x or more: it is then read at the largest scale factor that keeps both
     sides at least the output size. ``name``: the name whose extension says "JPEG", when
     ``path`` has none (an archive member's bytes in a memory file).
+
+    An image whose header declares more than ``options.max_pixels`` is not decoded: the image
+    is None and the native size the header's (``too_large``). A header that does not settle
+    the size leaves the limit to the decode that follows (docs/reliability.md).
     """
     path = os.fspath(path)
     jpeg = (name or path).lower().endswith((".jpg", ".jpeg"))
     with _imread_name(path) as name:
         if name is None:
             return None, None
+        declared = declared_size(name)
+        if declared is not None and too_large(declared, options):
+            return None, declared  # refused before OpenCV allocates a single pixel
         if options.reduced_decode and jpeg:
             native = probe_size(name, options.exif_orientation)
             if native is not None:
@@ -397,6 +404,9 @@ def decode_image(path: str | os.PathLike, options: Options | None = None) -> np.
     """
     options = options or Options()
     img, native = read_image(path, options)
+    if img is None and native is not None:
+        assert options.max_pixels is not None  # Options replaces None with the default
+        raise DecodeError(f"{path}: {too_large_reason(*native, options.max_pixels)}")
     if img is None:
         raise DecodeError(f"{path}: OpenCV cannot decode this file")
     return preprocess(img, options, native)
@@ -444,13 +454,16 @@ def decode_record(
         with capture:
             img, native = read_image(path, opts, name)
         message = capture.text()
+    if img is None and native is not None:  # its header declares more than max_pixels
+        assert opts.max_pixels is not None  # Options replaces None with the default
+        return fmt.BAD_TOO_LARGE, 0, too_large_reason(*native, opts.max_pixels), None
     if img is None:
         if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
         return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
     assert native is not None  # read_image gives the size of every image it read
     assert opts.max_pixels is not None  # Options replaces None with the default
-    if native[0] * native[1] > opts.max_pixels:
+    if too_large(native, opts):
         return fmt.BAD_TOO_LARGE, 0, too_large_reason(native[0], native[1], opts.max_pixels), None
     truncated = not opts.keep_truncated and jpeg_truncated(path)
     # np.require keeps a 0-d (I420) record as it is.
@@ -466,6 +479,12 @@ def decode_record(
             return record[0], 0, record[1], None
         pixels = record
     return fmt.FILLED, zlib.crc32(pixels.data), message, pixels
+
+
+def too_large(native: tuple[int, int], opts: Options) -> bool:
+    """Whether an image of ``native`` (height, width) has more pixels than ``opts`` allow."""
+    assert opts.max_pixels is not None  # Options replaces None with the default
+    return native[0] * native[1] > opts.max_pixels
 
 
 def too_large_reason(height: int, width: int, max_pixels: int) -> str:

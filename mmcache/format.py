@@ -6,11 +6,12 @@ Format version 4.0
 A cache is one folder; move or copy it as a unit. Its files:
 
 ``manifest.json``
-    UTF-8 JSON object, at most ``MAX_MANIFEST_BYTES``. It is the commit point: a folder without
-    it holds no cache, and a reader reads it once and then only the files it names. Writers
-    escape every non-ASCII character (``\\uXXXX``), so a file name that is not valid UTF-8 is
-    stored as Python's ``surrogateescape`` reads it (each undecodable byte as ``\\udc80``
-    to ``\\udcff``). Keys:
+    UTF-8 JSON object, at most ``MAX_MANIFEST_BYTES``, of at most ``MAX_MANIFEST_COST`` as
+    ``manifest_parse_cost`` estimates it (not millions of tiny values). It is the commit
+    point: a folder without it holds no cache, and a reader reads it once and then only the
+    files it names. Writers escape every non-ASCII character (``\\uXXXX``), so a file name
+    that is not valid UTF-8 is stored as Python's ``surrogateescape`` reads it (each
+    undecodable byte as ``\\udc80`` to ``\\udcff``). Keys:
 
     - ``"magic"``: MUST be ``"mmcache"``.
     - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
@@ -169,6 +170,7 @@ from . import pixels as px
 from ._checks import (
     check_relative_path,
     expect,
+    expect_written,
     fail,
     first_bad,
     is_hex,
@@ -223,6 +225,10 @@ FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
 # what a hostile manifest can make us allocate.
 MAX_MANIFEST_BYTES = 64 << 20
+# What parsing a manifest may cost in Python objects, estimated from its bytes before it is
+# parsed (``manifest_parse_cost``): 64 MiB of ``[[],[],...`` took 1.9 GB, while a manifest of
+# skipped-file entries costs about twice its size.
+MAX_MANIFEST_COST = 512 << 20
 # Records start on 64-byte boundaries (as numpy's ARRAY_ALIGN): a cache line, so a copy of a
 # record never starts mid-line. Larger (4096) would waste a third of a 32x32 RGB record.
 DATA_ALIGN = 64
@@ -482,6 +488,10 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CacheNotFoundError(_no_manifest(folder)) from None
     expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
+    cost = manifest_parse_cost(raw)
+    expect(cost <= MAX_MANIFEST_COST, mpath, f"{len(raw):,} bytes of JSON whose parse would "
+           f"take about {cost:,} bytes of memory, more than the {MAX_MANIFEST_COST:,} a "
+           "manifest may: not a manifest mmcache wrote")  # fmt: skip
     try:
         m = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -489,6 +499,14 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
         raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
     expect(isinstance(m, dict), mpath, "expected a JSON object")
     return m
+
+
+def manifest_parse_cost(raw: bytes) -> int:
+    """About how many bytes of Python objects ``json.loads(raw)`` would make: a list or dict
+    (64 bytes and up), an item after a comma (a pointer, a slot: 32), a string (24 and up).
+    Counted over the raw bytes (inside strings too), so it errs high, never low."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    return 64 * containers + 32 * raw.count(b",") + 24 * (raw.count(b'"') // 2)
 
 
 def _check_version(m: dict[str, Any], mpath: Path) -> tuple[int, int]:
@@ -782,6 +800,8 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
                 "or was not fully written",
             )
     small = [kind for kind in manifest.file_kinds if kind != "data"]
+    for kind in ("index", "paths"):  # written whole (a lazy cache's state may be sparse)
+        expect_written(manifest.file(kind), sizes[kind])
     blobs = {kind: read_exactly(manifest.file(kind), sizes[kind]) for kind in small}
     if manifest.checksums is not None:
         for kind in [kind for kind in small if kind != "state"]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Callable
 
-__all__ = ["probe_size", "sniff_format"]
+__all__ = ["declared_size", "probe_size", "sniff_format"]
 
 # --- limits -------------------------------------------------------------------------------------
 
@@ -131,6 +132,38 @@ def probe_size(path: str | os.PathLike, exif: bool = True) -> tuple[int, int] | 
     Raises:
         OSError: The file cannot be opened or read (e.g. ``FileNotFoundError``).
     """
+    return _probe_file(path, _probe, exif)
+
+
+def declared_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The (height, width) an image's header declares, before any pixel is decoded; else None.
+
+    Unlike ``probe_size`` it does not promise what ``imread`` returns, only how many pixels a
+    decode would allocate (``max_pixels`` is checked on it before decoding): orientation aside,
+    and for a PNG from its IHDR alone, which libpng reads first whatever chunks follow (a 5 MiB
+    text chunk leaves ``probe_size`` unsure, not this).
+
+    Raises:
+        OSError: The file cannot be opened or read.
+    """
+    return _probe_file(path, _declared)
+
+
+def _declared(r: _Reader) -> tuple[int, int] | None:
+    ihdr = r.head[8:24]
+    if sniff_format(r.head) == "PNG" and ihdr[:8] == b"\x00\x00\x00\x0dIHDR":
+        width, height = struct.unpack_from(">II", ihdr, 8)
+        return height, width
+    return _probe(r)
+
+
+def _probe_file(
+    path: str | os.PathLike,
+    probe: Callable[[_Reader], tuple[int, int] | None],
+    exif: bool = True,
+) -> tuple[int, int] | None:
+    """``probe`` of the regular file ``path``; None for any other kind of file, or a header
+    that does not settle the size."""
     fd = os.open(path, _OPEN_FLAGS)
     try:
         st = os.fstat(fd)
@@ -138,7 +171,7 @@ def probe_size(path: str | os.PathLike, exif: bool = True) -> tuple[int, int] | 
             return None  # directories, FIFOs, devices: imread reads none of them
         reader = _Reader(fd, st.st_size, exif=exif)
         try:
-            return _probe(reader)
+            return probe(reader)
         except (_Unsure, struct.error, IndexError, ValueError, OverflowError):
             # struct/Index/Value/OverflowError are defence in depth: the parsers check bounds
             # first, but a hostile file must degrade to "unsure", never crash a dataset scan.

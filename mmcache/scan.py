@@ -96,7 +96,7 @@ class Listing:
             OSError: its file cannot be opened or read.
         """
         if self.members is not None:
-            return self.members.probe(i, exif)
+            return self.members.probe(i, int(self.sizes[i]), exif)
         return probe_size(self.abspath(i), exif)
 
     def fingerprint(self) -> str:
@@ -140,6 +140,15 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
             folder without images, or is a list with bad lines or mixed labels; an archive is
             compressed, truncated or damaged.
     """
+    return scan_within(source, label_key, None)
+
+
+def scan_within(
+    source: str | os.PathLike, label_key: str | None, max_entries: int | None
+) -> Listing:
+    """``scan_source``, giving up (a ``SourceError``) once a folder source's walk has met more
+    than ``max_entries`` folder entries: a manifest that names ``/`` as the source of a cache
+    of a few files must not make a staleness check walk the whole file system."""
     if label_key is not None or _archives.is_archive_source(source, IMAGE_EXTENSIONS):
         return _archive_listing(_archives.scan_archive(source, IMAGE_EXTENSIONS, label_key))
     src = Path(source).expanduser()
@@ -157,12 +166,13 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
         raise SourceError(f"{root}: cannot read the folder ({e.strerror})") from None
     ignored: list[str] = []
     others: dict[str, int] = {}
+    walk = _Walk(root, ignored, max_entries)
     class_dirs = [d for d in subdirs if not _holds_cache(root / d, d, ignored)]
     if class_dirs:
         classes = class_dirs
         paths, labels, empty = [], [], []
         for label, name in enumerate(classes):
-            found = _walk_images(root, name, ignored, others)
+            found = _walk_images(walk, name, others)
             if not found:
                 empty.append(name)
             paths += found
@@ -177,7 +187,7 @@ def scan_source(source: str | os.PathLike, *, label_key: str | None = None) -> L
             )
     else:
         classes = [root.name or "images"]
-        paths = _walk_images(root, "", ignored, others)
+        paths = _walk_images(walk, "", others)
         labels = [0] * len(paths)
     if not paths:
         what = "its class folders" if class_dirs else "it"
@@ -223,9 +233,20 @@ def _holds_cache(folder: Path, rel: str, ignored: list[str]) -> bool:
     return False
 
 
-def _walk_images(root: Path, top: str, ignored: list[str], others: dict[str, int]) -> list[str]:
+@dataclass
+class _Walk:
+    """The walk of a folder source's class folders, counting the entries it meets."""
+
+    root: Path
+    ignored: list[str]  # folders left out as caches
+    max_entries: int | None  # (see ``scan_within``)
+    entries: int = 0
+
+
+def _walk_images(walk: _Walk, top: str, others: dict[str, int]) -> list[str]:
     """Image paths below ``root/top``, relative to root, in torchvision's order; the files
     that are not images counted in ``others`` by extension."""
+    root, ignored = walk.root, walk.ignored
     found: list[tuple[str, list[str]]] = []
     seen: set[tuple[int, int]] = set()
     stack = [top]
@@ -237,6 +258,12 @@ def _walk_images(root: Path, top: str, ignored: list[str], others: dict[str, int
             entries = list(os.scandir(full))
         except OSError:
             continue
+        walk.entries += len(entries)
+        if walk.max_entries is not None and walk.entries > walk.max_entries:
+            raise SourceError(
+                f"{root}: holds more than {walk.max_entries:,} files and folders, far more "
+                "than the cache records: not walked further (is this the cache's source?)"
+            )
         key = (st.st_dev, st.st_ino)
         if key in seen:  # a symlink back to a folder already walked: stop the loop here
             continue
