@@ -158,6 +158,36 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
     assert len(list(resumed)) == len(first)
 
 
+def test_a_state_saved_right_after_iter_of_a_resumed_loader_keeps_its_position(ds):
+    # The checkpoint of a resumed run, saved before its first batch (a crash right after it
+    # restarts), still says where it stands: resuming from it again gives the same rest.
+    def make():
+        return BatchLoader(ds, 6, shuffle=True, seed=5, crop=RandomResizedCrop(16), flip=True)
+
+    uninterrupted = [images.clone() for images, _ in make()]
+    resumed = make()
+    resumed.load_state_dict(_saved(make(), batches=4))
+    iter(resumed)
+    again = json.loads(json.dumps(resumed.state_dict()))
+    assert again["batches"] == 4
+    last = make()
+    last.load_state_dict(again)
+    rest = [images.clone() for images, _ in last]
+    assert all(torch.equal(a, b) for a, b in zip(rest, uninterrupted[4:], strict=True))
+
+
+def test_the_draws_of_an_epoch_longer_than_1024_positions_do_not_repeat(ds):
+    # Positions are drawn in blocks of 1,024: each block its own numbers, so the record at
+    # positions p and p + 1024 gets another box and flip.
+    loader = BatchLoader(ds, 550, sampler=[0] * 1100, crop=RandomResizedCrop(8), flip=True, seed=2)
+    images = torch.cat([b for b, _ in loader])
+    assert len(images) == 1100
+    assert not torch.equal(images[:76], images[1024:])
+    first, second = loader.draw_batch(0), loader.draw_batch(1)
+    assert not np.array_equal(first[1][:76], second[1][474:])
+    assert not np.array_equal(first[2][:76], second[2][474:])
+
+
 def _loader(ds, **kw):
     return BatchLoader(ds, 4, crop=CenterResizedCrop(32), **kw)
 

@@ -192,6 +192,17 @@ def test_center_crop_is_resize_256_then_center_crop_224_on_a_short_side_256_imag
     assert np.array_equal(CenterResizedCrop(224)(big), resized_crop(big, box, (224, 224)))
 
 
+@pytest.mark.parametrize("margin", range(12))
+def test_the_centre_box_rounds_its_margin_as_torchvision_s_center_crop(margin):
+    # torchvision's CenterCrop: crop_top = int(round((image_height - crop_height) / 2.0)),
+    # Python's round, half to even: margins 4k + 3 round up (3 -> 2), 4k + 1 down (5 -> 2).
+    offset = int(round(margin / 2.0))
+    img = _photo(8, 8 + margin, seed=margin)
+    assert np.array_equal(CenterResizedCrop(8, ratio=1.0)(img), img[:, offset : offset + 8])
+    tall = np.ascontiguousarray(img.transpose(1, 0, 2))
+    assert np.array_equal(CenterResizedCrop(8, ratio=1.0)(tall), tall[offset : offset + 8])
+
+
 def test_a_crop_larger_than_the_image_warns_once_per_size_naming_the_short_side_to_build():
     small = _photo(128, 170)
     crop = CenterResizedCrop(224)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import cv2
@@ -65,6 +66,33 @@ def _i420(path, color="rgb") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = np.pad(c, ((0, h % 2), (0, w % 2)), mode="edge")
         halves.append((c[0::2, 0::2] + c[1::2, 0::2] + c[0::2, 1::2] + c[1::2, 1::2]) / 4)
     return tuple(np.clip(np.round(p), 0, 255) for p in (y, *halves))
+
+
+def _naive_rgb(y: np.ndarray, cb: np.ndarray, cr: np.ndarray) -> np.ndarray:
+    """RGB of I420 planes in float64, unrounded, pixel by pixel: each chroma sample read at
+    x / 2 - 1/4 (bilinear, align_corners=False at 2x, edges clamped), then full-range BT.601."""
+
+    def taps(x: int, n: int) -> list[tuple[int, float]]:
+        s = x / 2 - 0.25
+        j = math.floor(s)
+        return [(min(max(j, 0), n - 1), 1 - (s - j)), (min(max(j + 1, 0), n - 1), s - j)]
+
+    out = np.empty((*y.shape, 3))
+    for r in range(y.shape[0]):
+        for c in range(y.shape[1]):
+            b = red = 0.0
+            for i, wi in taps(r, cb.shape[0]):
+                for j, wj in taps(c, cb.shape[1]):
+                    b += wi * wj * (float(cb[i, j]) - 128)
+                    red += wi * wj * (float(cr[i, j]) - 128)
+            luma = float(y[r, c])
+            out[r, c] = (luma + 1.402 * red, luma - 0.344136 * b - 0.714136 * red, luma + 1.772 * b)
+    return out
+
+
+def _random_planes(rng: np.random.Generator, h: int, w: int) -> list[np.ndarray]:
+    halves = ((h + 1) // 2, (w + 1) // 2)
+    return [rng.integers(0, 256, s, dtype=np.uint8) for s in ((h, w), halves, halves)]
 
 
 def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
@@ -237,6 +265,20 @@ def test_planes_convert_on_torch_within_two_levels_and_rgb_caches_have_none(src,
         MemmapImageDataset(tmp_path / "rgb").planes(0)
 
 
+def test_on_torch_each_pixel_is_the_formula_rounded_to_the_nearest_level():
+    # A naive float64 reference, pixel by pixel: float32 may round a value within a hair of a
+    # tie either way, every other pixel is the nearest level (truncating is off on half).
+    rng = np.random.default_rng(5)
+    for h, w in [(9, 13), (10, 12), (1, 1), (17, 6)]:
+        planes = _random_planes(rng, h, w)
+        want = _naive_rgb(*planes)
+        got = mmcache.yuv420_to_rgb(*map(torch.from_numpy, planes)).numpy().astype(float)
+        near_tie = np.abs(want - np.floor(want) - 0.5) < 1e-3
+        rounded = np.clip(np.round(want), 0, 255)
+        assert np.array_equal(got[~near_tie], rounded[~near_tie]), (h, w)
+        assert np.abs(got - rounded).max() <= 1, (h, w)
+
+
 def test_bgr_caches_read_back_as_bgr(src, tmp_path):
     build_cache(src, tmp_path / "bgr", workers=0, pixels="yuv420", color="bgr")
     build_cache(src, tmp_path / "rgb", workers=0, pixels="yuv420")
@@ -290,6 +332,8 @@ def test_a_window_converts_to_the_same_pixels_as_the_whole_record():
     for h, w in [(9, 13), (10, 12), (1, 1), (2, 7), (33, 17)]:
         record = px.from_bgr(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "yuv420")
         whole = px.convert(*px.planes(record))
+        # the whole record against the formula (cv2's fixed point: within two levels)
+        assert np.abs(whole - np.clip(_naive_rgb(*px.planes(record)), 0, 255)).max() < 2, (h, w)
         for _ in range(20):
             top, left = int(rng.integers(0, h)), int(rng.integers(0, w))
             bh, bw = int(rng.integers(1, h - top + 1)), int(rng.integers(1, w - left + 1))
