@@ -275,9 +275,11 @@ def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch)
 
     image = write_image(tmp_path / "i.png", 9, 7).read_bytes()
     tar = tmp_path / "t.tar"
+    # a short name last: after members of pax (or GNU) headers, one with none of its own
     names = ["c/a.png", "c/" + "long" * 40 + ".png", "c/" + "d" * 120 + "/e.png", "c/é.png"]
+    names.append("c/z.png")
     if form == tarfile.USTAR_FORMAT:
-        names = names[:1] + names[2:3]  # (ustar holds neither a long base name nor UTF-8 here)
+        names = [names[0], names[2], names[4]]  # (ustar holds no long base name nor UTF-8 here)
     with tarfile.open(tar, "w", format=form) as t:
         for k, name in enumerate(names):
             info = tarfile.TarInfo(name)
