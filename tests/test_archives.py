@@ -24,7 +24,10 @@ def cache_bytes(cache: Path) -> tuple[list[str], list[str], list[int], list[byte
     files = fmt.read_cache_files(fmt.read_manifest(cache))
     data = files.manifest.file("data").read_bytes()
     nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
-    pixels = [data[int(o) : int(o) + int(n)] for o, n in zip(files.index["offset"], nbytes)]
+    pixels = [
+        data[int(o) : int(o) + int(n)]
+        for o, n in zip(files.index["offset"], nbytes, strict=True)
+    ]
     labels = files.index["label"].tolist()
     return list(files.manifest.classes), files.paths(), labels, pixels
 
@@ -109,7 +112,7 @@ def test_webdataset_shards_equal_a_list_of_the_extracted_files(tmp_path, src, la
         build_cache(scan_source(source, label_key=key), cache, workers=0)
         classes, paths, labels_, pixels = cache_bytes(cache)
         # Paths are shard/member names; each image once, with the label its list line gives.
-        by_pixels = {px: lab for px, lab in zip(ref_pixels, ref_labels)}
+        by_pixels = {px: lab for px, lab in zip(ref_pixels, ref_labels, strict=True)}
         assert classes == ref_classes
         assert sorted(pixels) == sorted(ref_pixels)
         assert [by_pixels[px] for px in pixels] == labels_
@@ -144,7 +147,8 @@ def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, s
     with tarfile.open(tar) as t:
         t.extractall(extracted, filter="data")  # the last copy of a name, as a user would get
     build_cache(extracted, tmp_path / "ref", workers=0)
-    assert sorted(zip(*cache_bytes(cache)[1:])) == sorted(zip(*cache_bytes(tmp_path / "ref")[1:]))
+    got, want = cache_bytes(cache)[1:], cache_bytes(tmp_path / "ref")[1:]
+    assert sorted(zip(*got, strict=True)) == sorted(zip(*want, strict=True))
 
 
 def main_out(argv: list[str]) -> str:

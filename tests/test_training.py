@@ -98,7 +98,7 @@ def test_plan_is_a_deprecated_alias_of_draw_batch(ds):
     with pytest.warns(DeprecationWarning, match=r"plan\(\) is deprecated.*draw_batch"):
         idx, boxes, flips = loader.plan(2)
     want = loader.draw_batch(2)
-    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want))
+    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want, strict=True))
 
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
@@ -107,7 +107,7 @@ def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     batches = BatchLoader(ds, 6, crop=crop)
     per_sample = MemmapImageDataset(cache, transform=crop)
     loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
-    for (a, la), (b, lb) in zip(batches, loader):
+    for (a, la), (b, lb) in zip(batches, loader, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # and a random crop's pixels, for the box it drew, are resized_crop's
     torch.manual_seed(0)
@@ -129,11 +129,12 @@ def test_the_same_seed_gives_the_same_batches_whatever_the_threads_and_runs(ds):
         return epoch(loader)
 
     one, three, again = run(1), run(3), run(1)
-    for (a, la), (b, lb), (c, _) in zip(one, three, again):
+    for (a, la), (b, lb), (c, _) in zip(one, three, again, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(la, lb)
     other_epoch = BatchLoader(ds, 5, shuffle=True, seed=11, crop=RandomResizedCrop(36))
     other_epoch.set_epoch(3)
-    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, epoch(other_epoch)))
+    other = epoch(other_epoch)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, other, strict=True))
 
 
 @pytest.mark.parametrize("seed", [7, None])
@@ -153,7 +154,7 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
     resumed.load_state_dict(state)
     rest = [images.clone() for images, _ in resumed]
     assert len(rest) == len(rest_uninterrupted) == len(first) - 3 and len(head) == 3
-    assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted))
+    assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted, strict=True))
     # after the resumed epoch, the next iteration is a whole epoch again
     assert len(list(resumed)) == len(first)
 
@@ -237,7 +238,7 @@ def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a
     resumed = _loader(ds, shuffle=True, seed=3)
     with pytest.warns(UserWarning, match="records no dataset or order"):
         resumed.load_state_dict(state)
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:]))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
     with pytest.warns(UserWarning), pytest.raises(StateMismatchError, match="another seed"):
         _loader(ds, shuffle=True, seed=4).load_state_dict(state)  # the seed is checked
 
@@ -274,7 +275,7 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     resumed_sampler.load_state_dict(state)
     rest = list(DataLoader(cropped, batch_size=4, sampler=resumed_sampler))
     assert len(rest) == len(whole) - 5
-    for (a, la), (b, lb) in zip(rest, whole[5:]):
+    for (a, la), (b, lb) in zip(rest, whole[5:], strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # a BatchLoader over the same sampler resumes the same way
     batch_loader = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
@@ -283,7 +284,7 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     state["batches"] = 5
     again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
     again.load_state_dict(json.loads(json.dumps(state)))
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:], strict=True))
 
 
 def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cache, tmp_path):
@@ -352,7 +353,7 @@ def test_normalised_batches_on_the_cpu(ds):
             ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32), normalize=(mean, std),
             dtype=dtype, channels_last=channels_last,
         )  # fmt: skip
-        for (u8, _), (x, _) in zip(epoch(plain), epoch(normed)):
+        for (u8, _), (x, _) in zip(epoch(plain), epoch(normed), strict=True):
             assert x.dtype == dtype and x.shape == (len(u8), 3, 32, 32)
             assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
             want = u8.permute(0, 3, 1, 2).double() / 255 - torch.tensor(mean).view(1, 3, 1, 1)
@@ -387,7 +388,8 @@ def test_without_crop_mixed_shapes_are_refused_with_the_way_out(ds):
 def test_a_crop_reads_only_the_box_s_rows_with_pread(ds):
     mapped = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="mmap")
     pread = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="pread")
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(mapped), epoch(pread)))
+    pairs = zip(epoch(mapped), epoch(pread), strict=True)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in pairs)
 
 
 RANK_SCRIPT = """

@@ -59,7 +59,7 @@ def test_boxes_are_torchvision_s_for_the_same_random_numbers(shape):
     crop = RandomResizedCrop(224)
     u = np.random.default_rng(0).random((2000, DRAWS))
     ours = crop.boxes(np.array([shape] * len(u)), u[:, : crop.draws])
-    for row, box in zip(u, ours):
+    for row, box in zip(u, ours, strict=True):
         tries = iter(range(TRIES))
         area_ratio = iter([(row[k], row[TRIES + k]) for k in range(TRIES)])
         pos = iter(row[2 * TRIES : 2 * TRIES + 2])
@@ -103,7 +103,7 @@ def test_box_statistics_match_torchvision_s_own_random_draws(shape):
         left = b[:, 1] / np.maximum(1, w - b[:, 3] + 1)
         return area, aspect, top, left
 
-    for ours_s, ref_s in zip(stats(ours), stats(reference)):
+    for ours_s, ref_s in zip(stats(ours), stats(reference), strict=True):
         # two-sample Kolmogorov-Smirnov distance; 0.02 is ~3x its spread at n = 20,000
         assert ks_distance(ours_s, ref_s) < 0.02
     assert (ours[:, 2] <= h).all() and (ours[:, 3] <= w).all()

@@ -104,7 +104,7 @@ def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
         y, cb, cr = ds.planes(i)
         assert y.shape == (h, w) and cb.shape == cr.shape == ((h + 1) // 2, (w + 1) // 2)
         assert int(ds.reader.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
-        for got, want in zip((y, cb, cr), _i420(path)):
+        for got, want in zip((y, cb, cr), _i420(path), strict=True):
             # OpenCV's fixed-point arithmetic rounds within a level of the float rule
             assert np.abs(got.astype(int) - want).max() <= 1, path
         img = ds[i][0]
@@ -224,7 +224,8 @@ def test_copy_compact_and_refresh_keep_i420_records(src, yuv, tmp_path):
     before = _images(yuv)
     copy_cache(yuv, tmp_path / "copy")
     assert fmt.read_manifest(tmp_path / "copy").pixels == "yuv420"
-    assert all(np.array_equal(a, b) for a, b in zip(before, _images(tmp_path / "copy")))
+    copied = _images(tmp_path / "copy")
+    assert all(np.array_equal(a, b) for a, b in zip(before, copied, strict=True))
     # a refresh: one file rewritten at another size, one added; the rest is kept in place
     changed = sorted(src.rglob("*.jpg"))[0]
     cv2.imwrite(str(changed), np.full((9, 13, 3), 200, np.uint8))
@@ -233,10 +234,10 @@ def test_copy_compact_and_refresh_keep_i420_records(src, yuv, tmp_path):
     assert report.appended and report.decoded == 2 and garbage_bytes(fmt.open_cache(yuv)) > 0
     build_cache(src, tmp_path / "fresh", workers=0, pixels="yuv420")
     fresh = _images(tmp_path / "fresh")
-    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv), strict=True))
     compact_cache(yuv)
     assert garbage_bytes(fmt.open_cache(yuv)) == 0
-    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv), strict=True))
     assert verify_cache(yuv).bad == []
 
 
@@ -246,7 +247,8 @@ def test_a_lazy_i420_cache_fills_what_a_build_stores(src, yuv, tmp_path):
     built = MemmapImageDataset(yuv)
     for i in range(len(built)):
         assert np.array_equal(lazy[i][0], built[i][0])  # filled on this read
-        assert all(np.array_equal(a, b) for a, b in zip(lazy.planes(i), built.planes(i)))
+        pairs = zip(lazy.planes(i), built.planes(i), strict=True)
+        assert all(np.array_equal(a, b) for a, b in pairs)
     assert verify_cache(tmp_path / "lazy").bad == []
 
 
@@ -283,7 +285,7 @@ def test_bgr_caches_read_back_as_bgr(src, tmp_path):
     build_cache(src, tmp_path / "bgr", workers=0, pixels="yuv420", color="bgr")
     build_cache(src, tmp_path / "rgb", workers=0, pixels="yuv420")
     bgr, rgb = _images(tmp_path / "bgr"), _images(tmp_path / "rgb")
-    assert all(np.array_equal(a, b[..., ::-1]) for a, b in zip(bgr, rgb))
+    assert all(np.array_equal(a, b[..., ::-1]) for a, b in zip(bgr, rgb, strict=True))
 
 
 # BatchLoader ----------------------------------------------------------------------------------
@@ -307,7 +309,8 @@ def test_without_crop_whole_records_convert_into_the_batch(yuv, tmp_path):
         assert torch.equal(images, torch.from_numpy(np.stack(_images(tmp_path / "same-yuv"))))
     flipped = next(iter(BatchLoader(ds, 9, flip=True, seed=1)))[0]
     _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).draw_batch(0)
-    want = [img[:, ::-1] if f else img for img, f in zip(_images(tmp_path / "same-yuv"), flips)]
+    records = _images(tmp_path / "same-yuv")
+    want = [img[:, ::-1] if f else img for img, f in zip(records, flips, strict=True)]
     assert torch.equal(flipped, torch.from_numpy(np.stack(want)))
 
 
@@ -384,7 +387,7 @@ def test_the_same_seed_gives_the_same_i420_batches_whatever_the_threads(photos):
         return [b.clone() for b, _ in loader]
 
     one, three = run(1), run(3)
-    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
 
 
 def test_an_i420_epoch_resumes_from_its_state_dict(photos):
