@@ -228,7 +228,10 @@ def test_resume_into_another_run_is_refused_naming_what_differs(cache, ds, tmp_p
     copy_cache(cache, tmp_path / "copy")
     copied = MemmapImageDataset(tmp_path / "copy")
     assert copied.generation != ds.generation
-    _loader(copied, shuffle=True, seed=3).load_state_dict(state)
+    resumed = _loader(copied, shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    whole = epoch(_loader(ds, shuffle=True, seed=3))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
 
 
 def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a_warning(ds):
