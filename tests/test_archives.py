@@ -3,6 +3,7 @@ extracted files build, byte for byte; hostile, truncated and damaged archives ar
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import tarfile
@@ -341,3 +342,50 @@ def test_plan_reads_the_members_headers(tmp_path, src):
     expected, planned = plan_cache(src, short_side=24), plan_cache(tar, short_side=24)
     assert (planned.files, planned.data_bytes) == (expected.files, expected.data_bytes)
     assert main_out(["plan", str(tar)]).count("\n") > 3
+
+
+def _members_tar(form: int) -> bytes:
+    """A tar of each kind of member mmcache tells apart, with the mtimes and links it keeps."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=form) as t:
+        for k, (name, kind, link) in enumerate([
+            ("c", tarfile.DIRTYPE, ""), ("c/a.png", tarfile.REGTYPE, ""),
+            ("c/s.png", tarfile.SYMTYPE, "a.png"), ("c/h.png", tarfile.LNKTYPE, "c/a.png"),
+            ("c/fifo", tarfile.FIFOTYPE, ""), ("c/" + "n" * 120 + ".png", tarfile.REGTYPE, ""),
+        ]):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mtime = kind, link, 1_700_000_000 + k
+            # the last member's data past tarfile's 64 KiB reads: the window moves on
+            data = bytes(range(k * 50)) * (3 if k < 5 else 400) if kind == tarfile.REGTYPE else b""
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("form", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form):
+    # The fallback reads the headers only tarfile reads (sparse, multi-volume), through a window
+    # on the outer file: from an inner tar at an offset, every member as the parser gives it.
+    from mmcache._tar import read_by_tarfile, read_headers
+
+    inner = _members_tar(form)
+    path = tmp_path / "outer"
+    path.write_bytes(b"x" * 1536 + inner + b"y" * 700)
+    with open(path, "rb") as raw:
+        parsed = list(read_headers(raw.fileno(), 1536, len(inner), "t"))
+        fallback = list(read_by_tarfile(raw, 1536, len(inner), "t"))
+        last = parsed[-1]
+        cut = last.offset + (last.size + 511) // 512 * 512  # the end-of-archive blocks cut off
+        with pytest.raises(SourceError, match=r"^t\.tar: a damaged .* it is truncated"):
+            list(read_by_tarfile(raw, 1536, cut, "t.tar"))
+    # (tarfile drops a folder's trailing slash, which the parser keeps: folders are not read)
+    assert [dataclasses.replace(m, name=m.name.rstrip("/")) for m in parsed] == fallback
+    assert [(m.kind, m.linkname) for m in parsed[:5]] == [
+        ("dir", ""), ("file", ""), ("link", "a.png"), ("link", "c/a.png"), ("other", "")
+    ]  # fmt: skip
+    assert inner[parsed[1].offset :][: parsed[1].size] == bytes(range(50)) * 3
+    assert inner[parsed[5].offset :][: parsed[5].size] == bytes(range(250)) * 400
+    # a header damaged past the first: tarfile stops there quietly, the fallback does not
+    path.write_bytes(b"x" * 1536 + inner[:1536] + b"\1" * 512 + inner[2048:])  # the 3rd header
+    with open(path, "rb") as raw, pytest.raises(SourceError, match=r"^t\.tar: .* damaged header"):
+        list(read_by_tarfile(raw, 1536, len(inner), "t.tar"))
