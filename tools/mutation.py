@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tests", nargs="+", help="the test files that should catch its bugs")
     parser.add_argument("--max-children", type=int, default=2, help="mutants run at once")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--only", nargs="+", default=[], metavar="GLOB",
+                        help="only these mutants: mmcache.transforms.x_resized_crop*, ...")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix=f"mutation-{args.module}-"))
     try:
@@ -47,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         (scratch / "pyproject.toml").write_text(toml + config(args.module, args.tests))
         env = {**os.environ, "PYTHONPATH": str(scratch)}
         mutmut = [sys.executable, "-m", "mutmut"]
-        run = subprocess.run([*mutmut, "run", "--max-children", str(args.max_children)],
-                             cwd=scratch, env=env)  # fmt: skip
+        children = ["--max-children", str(args.max_children)]
+        run = subprocess.run([*mutmut, "run", *children, *args.only], cwd=scratch, env=env)
         results = subprocess.run([*mutmut, "results"], cwd=scratch, env=env,
                                  capture_output=True, text=True)  # fmt: skip
         print(results.stdout)
