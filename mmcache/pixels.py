@@ -339,8 +339,8 @@ def yuv420_to_rgb(y: Any, cb: Any, cr: Any) -> Any:
     Returns:
         ``(..., H, W, 3)`` uint8 RGB, of the inputs' kind. numpy inputs give exactly what
         ``MemmapImageDataset`` returns; torch tensors are converted with torch operations
-        (bilinear chroma upsampling, the BT.601 full-range matrix, rounded), within one level
-        of it.
+        (bilinear chroma upsampling, the BT.601 full-range matrix, rounded to the nearest
+        level), within two levels of it (the numpy path is OpenCV's fixed-point conversion).
     """
     if isinstance(y, np.ndarray):
         if y.ndim == 2:

@@ -166,7 +166,7 @@ def test_coco_boxes_labels_and_crowds(det, tmp_path):
         assert t["labels"].tolist() == [(3, 7, 11).index(a["category_id"]) for a in anns]
         assert t["iscrowd"].tolist() == [a["iscrowd"] for a in anns]
         scale = np.array([img.shape[1] / im["width"], img.shape[0] / im["height"]] * 2)
-        for box, a in zip(t["boxes"], anns):
+        for box, a in zip(t["boxes"], anns, strict=True):
             x, y, w, h = a["bbox"]
             np.testing.assert_allclose(box, np.array([x, y, x + w, y + h]) * scale, rtol=1e-5)
     assert any(len(ds[i][1]["boxes"]) == 0 for i in range(len(ds)))
@@ -331,11 +331,11 @@ def _batches(loader, limit=None):
 
 def _same(a, b):
     assert len(a) == len(b)
-    for (ia, ta), (ib, tb) in zip(a, b):
+    for (ia, ta), (ib, tb) in zip(a, b, strict=True):
         assert torch.equal(ia, ib) and ta.keys() == tb.keys()
         for k in ta:
             if isinstance(ta[k], list):
-                assert all(torch.equal(x, y) for x, y in zip(ta[k], tb[k]))
+                assert all(torch.equal(x, y) for x, y in zip(ta[k], tb[k], strict=True))
             else:
                 assert torch.equal(ta[k], tb[k])
 
@@ -355,19 +355,19 @@ def test_batchloader_crops_and_flips_masks_with_their_images(seg_cache):
     batches = _batches(loader)
     for images, target in batches:
         assert target["mask"].shape == images.shape[:3] and target["mask"].dtype == torch.uint8
-        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+        for img, mask in zip(images.numpy(), target["mask"].numpy(), strict=True):
             inside = away_from_borders(mask)
             np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
-    # The same boxes and flips as the per-sample transform's, for the same draws.
-    from mmcache._targets import flip_target, resized_target
-
+    # Each mask pixel is the stored mask's pixel under its centre in the drawn box (torch's
+    # "nearest-exact": floor((i + 0.5) * box side / 24)), mirrored with a flipped image.
     idx, boxes, flips = loader.draw_batch(0)
     for k, i in enumerate(idx):
-        img, target = ds[int(i)]
-        t = resized_target(target, boxes[k], img.shape[:2], (24, 24))
-        if flips[k]:
-            t = flip_target(t, 24)
-        np.testing.assert_array_equal(batches[0][1]["mask"][k].numpy(), t["mask"])
+        top, left, bh, bw = (int(v) for v in boxes[k])
+        rows = top + np.floor((np.arange(24) + 0.5) * bh / 24).astype(int)
+        cols = left + np.floor((np.arange(24) + 0.5) * bw / 24).astype(int)
+        want = ds[int(i)][1]["mask"][np.ix_(rows, cols)]
+        want = want[:, ::-1] if flips[k] else want
+        np.testing.assert_array_equal(batches[0][1]["mask"][k].numpy(), want)
     # Deterministic whatever the threads and the read path; resumable mid-epoch.
     again = BatchLoader(ds, 4, shuffle=True, seed=3, crop=RandomResizedCrop(24), flip=True,
                         num_threads=1, read="pread")  # fmt: skip
@@ -385,7 +385,7 @@ def test_batchloader_masks_of_yuv420_records_and_of_whole_records(seg, tmp_path)
     build_cache(seg[0], tmp_path / "y", masks=seg[1], pixels="yuv420", workers=0)
     ds = MemmapImageDataset(tmp_path / "y")
     for images, target in BatchLoader(ds, 3, seed=0, crop=RandomResizedCrop(24), flip=True):
-        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+        for img, mask in zip(images.numpy(), target["mask"].numpy(), strict=True):
             inside = away_from_borders(mask, 2)  # chroma at half resolution: see above
             np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
     build_cache(seg[0], tmp_path / "w", masks=seg[1], size=(30, 40), workers=0)
@@ -407,7 +407,8 @@ def test_batchloader_moves_boxes_with_their_images(det, tmp_path):
                              crop=RandomResizedCrop(40, scale=(0.3, 1)), flip=True)  # fmt: skip
         for batch, target in loader:
             assert set(target) == {"boxes", "labels", "iscrowd"}
-            for img, boxes, labels in zip(batch.numpy(), target["boxes"], target["labels"]):
+            rows = zip(batch.numpy(), target["boxes"], target["labels"], strict=True)
+            for img, boxes, labels in rows:
                 assert len(boxes) == len(labels)
                 ys, xs = np.nonzero(img.max(axis=2) > 128)
                 if len(boxes) != 1 or not len(ys):
@@ -458,7 +459,7 @@ def test_batchloader_fills_a_lazy_cache_s_masks_as_it_reads(seg, tmp_path):
     ds = MemmapImageDataset(tmp_path / "lazy", source=seg[0], masks=seg[1])
     loader = BatchLoader(ds, 3, seed=0, crop=RandomResizedCrop(24), flip=True)
     for images, target in loader:
-        for img, mask in zip(images.numpy(), target["mask"].numpy()):
+        for img, mask in zip(images.numpy(), target["mask"].numpy(), strict=True):
             inside = away_from_borders(mask)
             np.testing.assert_array_equal(classes_of(img)[inside], mask[inside])
     assert (np.fromfile(ds.manifest.file("state"), fmt.STATE_DTYPE)["state"] == fmt.FILLED).all()

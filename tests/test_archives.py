@@ -3,6 +3,7 @@ extracted files build, byte for byte; hostile, truncated and damaged archives ar
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import os
@@ -27,7 +28,9 @@ def cache_bytes(cache: Path) -> tuple[list[str], list[str], list[int], list[byte
     files = fmt.read_cache_files(fmt.read_manifest(cache))
     data = files.manifest.file("data").read_bytes()
     nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
-    pixels = [data[int(o) : int(o) + int(n)] for o, n in zip(files.index["offset"], nbytes)]
+    pixels = [
+        data[int(o) : int(o) + int(n)] for o, n in zip(files.index["offset"], nbytes, strict=True)
+    ]
     labels = files.index["label"].tolist()
     return list(files.manifest.classes), files.paths(), labels, pixels
 
@@ -112,7 +115,7 @@ def test_webdataset_shards_equal_a_list_of_the_extracted_files(tmp_path, src, la
         build_cache(scan_source(source, label_key=key), cache, workers=0)
         classes, paths, labels_, pixels = cache_bytes(cache)
         # Paths are shard/member names; each image once, with the label its list line gives.
-        by_pixels = {px: lab for px, lab in zip(ref_pixels, ref_labels)}
+        by_pixels = {px: lab for px, lab in zip(ref_pixels, ref_labels, strict=True)}
         assert classes == ref_classes
         assert sorted(pixels) == sorted(ref_pixels)
         assert [by_pixels[px] for px in pixels] == labels_
@@ -147,7 +150,8 @@ def test_a_changed_archive_decodes_only_its_new_and_modified_members(tmp_path, s
     with tarfile.open(tar) as t:
         t.extractall(extracted, filter="data")  # the last copy of a name, as a user would get
     build_cache(extracted, tmp_path / "ref", workers=0)
-    assert sorted(zip(*cache_bytes(cache)[1:])) == sorted(zip(*cache_bytes(tmp_path / "ref")[1:]))
+    got, want = cache_bytes(cache)[1:], cache_bytes(tmp_path / "ref")[1:]
+    assert sorted(zip(*got, strict=True)) == sorted(zip(*want, strict=True))
 
 
 def main_out(argv: list[str]) -> str:
@@ -283,9 +287,11 @@ def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch)
 
     image = write_image(tmp_path / "i.png", 9, 7).read_bytes()
     tar = tmp_path / "t.tar"
+    # a short name last: after members of pax (or GNU) headers, one with none of its own
     names = ["c/a.png", "c/" + "long" * 40 + ".png", "c/" + "d" * 120 + "/e.png", "c/é.png"]
+    names.append("c/z.png")
     if form == tarfile.USTAR_FORMAT:
-        names = names[:1] + names[2:3]  # (ustar holds neither a long base name nor UTF-8 here)
+        names = [names[0], names[2], names[4]]  # (ustar holds no long base name nor UTF-8 here)
     with tarfile.open(tar, "w", format=form) as t:
         for k, name in enumerate(names):
             info = tarfile.TarInfo(name)
@@ -362,3 +368,53 @@ def test_an_absolute_member_name_is_left_out_saying_where_tar_would_put_it(tmp_p
         "extracts it with its leading '/' removed, under a folder of that name, which a source "
         "would read as a class)",
     }]  # fmt: skip
+
+
+def _members_tar(form: int) -> bytes:
+    """A tar of each kind of member mmcache tells apart, with the mtimes and links it keeps."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=form) as t:
+        for k, (name, kind, link) in enumerate([
+            ("c", tarfile.DIRTYPE, ""), ("c/a.png", tarfile.REGTYPE, ""),
+            ("c/s.png", tarfile.SYMTYPE, "a.png"), ("c/h.png", tarfile.LNKTYPE, "c/a.png"),
+            ("c/fifo", tarfile.FIFOTYPE, ""), ("c/" + "n" * 120 + ".png", tarfile.REGTYPE, ""),
+        ]):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mtime = kind, link, 1_700_000_000 + k
+            # the last member's data past tarfile's 64 KiB reads: the window moves on
+            data = bytes(range(k * 50)) * (3 if k < 5 else 400) if kind == tarfile.REGTYPE else b""
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("form", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form):
+    # The fallback reads the headers only tarfile reads (sparse, multi-volume), through a window
+    # on the outer file: from an inner tar at an offset, every member as the parser gives it.
+    from mmcache._tar import read_by_tarfile, read_headers
+
+    inner = _members_tar(form)
+    path = tmp_path / "outer"
+    path.write_bytes(b"x" * 1536 + inner + b"y" * 700)
+    with open(path, "rb") as raw:
+        parsed = list(read_headers(raw.fileno(), 1536, len(inner), "t"))
+        fallback = list(read_by_tarfile(raw, 1536, len(inner), "t"))
+        last = parsed[-1]
+        cut = last.offset + (last.size + 511) // 512 * 512  # the end-of-archive blocks cut off
+        with pytest.raises(SourceError, match=r"^t\.tar: a damaged .* after 6 members, without "
+                           r"the end-of-archive blocks: it is truncated\. Nothing was built from "
+                           r"it; download or create it again$"):  # fmt: skip
+            list(read_by_tarfile(raw, 1536, cut, "t.tar"))
+    # (tarfile drops a folder's trailing slash, which the parser keeps: folders are not read)
+    assert [dataclasses.replace(m, name=m.name.rstrip("/")) for m in parsed] == fallback
+    assert [(m.kind, m.linkname) for m in parsed[:5]] == [
+        ("dir", ""), ("file", ""), ("link", "a.png"), ("link", "c/a.png"), ("other", "")
+    ]  # fmt: skip
+    assert inner[parsed[1].offset :][: parsed[1].size] == bytes(range(50)) * 3
+    assert inner[parsed[5].offset :][: parsed[5].size] == bytes(range(250)) * 400
+    # a header damaged past the first: tarfile stops there quietly, the fallback does not
+    path.write_bytes(b"x" * 1536 + inner[:1536] + b"\1" * 512 + inner[2048:])  # the 3rd header
+    damaged = r"^t\.tar: .* a damaged header at byte 1,536, after 2 members\. Nothing"
+    with open(path, "rb") as raw, pytest.raises(SourceError, match=damaged):
+        list(read_by_tarfile(raw, 1536, len(inner), "t.tar"))

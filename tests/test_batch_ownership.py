@@ -44,7 +44,7 @@ def _same(a, b) -> bool:
         return torch.equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
 RECIPES = {  # the README's and docs' loaders, on tiny images
@@ -75,7 +75,7 @@ def test_batches_kept_in_a_list_stay_as_they_were(caches, recipe):
     loader.set_epoch(0)
     kept = list(loader)
     assert len(kept) == len(copies) >= 4
-    assert all(_same(k, c) for k, c in zip(kept, copies))
+    assert all(_same(k, c) for k, c in zip(kept, copies, strict=True))
 
 
 def test_a_validation_loop_that_accumulates_labels_gets_the_right_ones(caches):

@@ -125,3 +125,20 @@ def test_fills_that_a_power_cut_lost_are_filled_again_after_the_reboot(tmp_path,
     built = MemmapImageDataset(disk, verify="first-read")
     for i, (path, _) in enumerate(built.samples):
         assert np.array_equal(built[i][0], reference(path)), path
+
+
+def test_without_a_boot_id_every_filler_file_counts_as_another_boot_s(tmp_path, monkeypatch):
+    # A machine without /proc/sys/kernel/random/boot_id writes "" into its filler files: the
+    # next boot reads "" too, so an empty id cannot tell a reboot; every fill is checked.
+    src = tmp_path / "src"
+    for i in range(2):
+        write_image(src / f"c{i}" / f"{i}.png", 8, 6, seed=i)
+    create_lazy_cache(src, tmp_path / "cache")
+    ds = MemmapImageDataset(tmp_path / "cache")
+    for i in range(len(ds)):
+        ds[i]
+    ds._reader.filler.close()
+    assert MemmapImageDataset(tmp_path / "cache").reader.filled(np.arange(2)).all()
+    monkeypatch.setattr(mmcache._filler, "boot_id", lambda: "")
+    (tmp_path / "cache" / "filling-0123456789abcdef").write_bytes(b"")
+    assert not MemmapImageDataset(tmp_path / "cache").reader.filled(np.arange(2)).any()

@@ -85,7 +85,7 @@ def test_dataloader_workers_under_each_start_method(tmp_path, start_method):
         ds, batch_size=5, num_workers=2, multiprocessing_context=start_method, shuffle=False
     )
     # filterwarnings = error: a "non-writable array" warning from collate fails this test.
-    images, labels = zip(*loader)
+    images, labels = zip(*loader, strict=True)
     images, labels = torch.cat(images), torch.cat(labels)
     assert images.shape == (24, 24, 32, 3) and images.dtype == torch.uint8
     assert labels.tolist() == ds.targets
@@ -127,7 +127,7 @@ def test_a_dataloader_workers_memory_stays_flat_however_much_of_the_cache_it_rea
     build_cache(src, tmp_path / "mcache", workers=1)
     ds = _WorkerRss(tmp_path / "mcache")
     loader = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="fork")
-    rss, totals = (torch.cat(t).tolist() for t in zip(*loader))
+    rss, totals = (torch.cat(t).tolist() for t in zip(*loader, strict=True))
     assert len(rss) == 200 and all(t > 0 for t in totals)
     growth_mb = (max(rss[16:]) - rss[16]) / 1024  # after the first batches' one-time setup
     assert growth_mb < 10, f"a worker's memory grew by {growth_mb:.1f} MB reading 46 MB"

@@ -59,7 +59,8 @@ def test_a_truncated_or_extended_file(pristine, tmp_path, tally, kind, damage, o
         tally["corruptions detected"] += 1
     else:
         got = open_and_read_all(cache)
-        assert all(np.array_equal(a, b) for a, b in zip(got, good)) and verify_cache(cache).ok
+        assert all(np.array_equal(a, b) for a, b in zip(got, good, strict=True))
+        assert verify_cache(cache).ok
     tally["damaged caches tried"] += 1
 
 
@@ -111,7 +112,8 @@ def test_bit_flips_are_refused_at_open_or_found_by_verify(pristine, tmp_path, ta
             if kind == "state":
                 hit = [pos // fmt.STATE_DTYPE.itemsize]
             else:
-                hit = [i for i, (o, n) in enumerate(zip(offsets, sizes)) if o <= pos < o + n]
+                spans = enumerate(zip(offsets, sizes, strict=True))
+                hit = [i for i, (o, n) in spans if o <= pos < o + n]
             assert [b.index for b in verify_cache(cache).bad] == hit
             ds = MemmapImageDataset(cache, on_stale="ignore", verify="first-read")
             for i in range(len(ds)):

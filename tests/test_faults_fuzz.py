@@ -63,7 +63,7 @@ def _only_documented_errors(cache: Path, pristine: Path) -> str:
         return "found"
     src = pristine.parent / "src"
     assert len(images) == len(PRISTINE_FILES)
-    for img, name in zip(images, PRISTINE_FILES):
+    for img, name in zip(images, PRISTINE_FILES, strict=True):
         assert np.array_equal(img, reference(src / name)), name
     return "accepted"
 

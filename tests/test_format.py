@@ -44,6 +44,13 @@ def _set_file(kind: str, name: str):
     return edit
 
 
+def _set_option(name: str, value):
+    def edit(m: dict) -> None:
+        m["options"][name] = value
+
+    return edit
+
+
 # (id, edit of the manifest's JSON, resealed after, error, message fragment)
 MANIFESTS = [
     ("magic", _set("magic", "npy"), CacheFormatError, "magic is 'npy', expected 'mmcache'"),
@@ -58,6 +65,10 @@ MANIFESTS = [
      "classes must be a list of non-empty strings"),
     ("data file name", _set_file("data", "../data.bin"), CacheFormatError,
      "is not data-<16 hex digits>.bin"),
+    ("mask dtype", _set_option("mask", "float32"), CacheFormatError,
+     "records carry masks of 'float32'"),
+    ("mask not a name", _set_option("mask", [8]), CacheFormatError,
+     "records carry masks of [8]"),
 ]  # fmt: skip
 
 

@@ -103,13 +103,14 @@ def test_fill_with_two_workers_equals_the_build_and_epoch_two_decodes_nothing(sr
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     epoch1 = [(img.numpy().copy(), label) for img, label in loader]
     assert [label for _, label in epoch1] == ds.targets
-    for (path, _), (img, _) in zip(ds.samples, epoch1):
+    for (path, _), (img, _) in zip(ds.samples, epoch1, strict=True):
         assert np.array_equal(img, decode_image(path))
     assert_equals_build(cache, src, tmp_path / "ref", same_offsets=True)
     # Epoch two must not decode: with the source gone, any decode would fail.
     os.rename(src, tmp_path / "gone")
     epoch2 = [(img.numpy(), label) for img, label in loader]
-    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(epoch1, epoch2))
+    pairs = zip(epoch1, epoch2, strict=True)
+    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in pairs)
     # and a later run, opening the cache alone, reads the same
     later = MemmapImageDataset(cache, on_stale="ignore")
     assert all(np.array_equal(later[i][0], epoch1[i][0]) for i in range(len(later)))
@@ -202,7 +203,7 @@ def test_a_dataloader_worker_killed_mid_epoch_leaves_a_cache_the_next_epoch_comp
     assert (codes == fmt.FILLED).sum() >= 12 and (codes == fmt.EMPTY).any()
     ds = MemmapImageDataset(cache, source=src)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
-    for (path, _), (img, _) in zip(ds.samples, loader):
+    for (path, _), (img, _) in zip(ds.samples, loader, strict=True):
         assert np.array_equal(img.numpy(), decode_image(path))
     assert_equals_build(cache, src, tmp_path / "ref", same_offsets=True)
 

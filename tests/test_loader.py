@@ -61,7 +61,7 @@ def _collect(loader, ds):
         assert images.dtype == torch.uint8 and labels.dtype == torch.int64
         assert images.shape[1:] == (24, 32, 3) and len(images) == len(labels)
         sizes.append(len(images))
-        for row, label in zip(images, labels.tolist()):
+        for row, label in zip(images, labels.tolist(), strict=True):
             i = which[row.numpy().tobytes()]
             assert label == ds.targets[i]
             seen.append(i)

@@ -18,7 +18,7 @@ def test_every_shared_testimage_matches_opencv(testimages, tmp_path):
     ds = MemmapImageDataset(tmp_path / "cache")
     decodable = [p for p in sorted(testimages.iterdir()) if cv2.imread(str(p)) is not None]
     assert len(ds) == len(decodable) == report.images
-    for (path, _label), (img, _) in zip(ds.samples, (ds[i] for i in range(len(ds)))):
+    for (path, _label), (img, _) in zip(ds.samples, (ds[i] for i in range(len(ds))), strict=True):
         ref = reference(path)
         assert img.shape == ref.shape, path
         assert np.array_equal(img, ref), path

@@ -32,7 +32,7 @@ def pixels_of(files):
     nbytes = fmt.record_nbytes(files.index, files.manifest.pixels)
     return {
         files.path(i): data[int(o) : int(o) + int(n)]
-        for i, (o, n) in enumerate(zip(files.index["offset"], nbytes))
+        for i, (o, n) in enumerate(zip(files.index["offset"], nbytes, strict=True))
     }
 
 

@@ -115,7 +115,7 @@ def test_reads_stay_local_unlike_a_random_order():
     blocks = np.asarray(order) // 64
     bounds = [*starts.tolist(), n]
     assert len(bounds) == -(-313 // 4) + 1
-    for a, z in zip(bounds[:-1], bounds[1:]):
+    for a, z in zip(bounds[:-1], bounds[1:], strict=True):
         assert len(set(blocks[a:z].tolist())) <= 4
 
 
@@ -250,7 +250,7 @@ def blocks_cache(tmp_path):
 def _buffers(sampler) -> list[set[int]]:
     order, starts = sampler._epoch()
     bounds = [*starts.tolist(), len(order)]
-    return [set(order[a:z].tolist()) for a, z in zip(bounds[:-1], bounds[1:])]
+    return [set(order[a:z].tolist()) for a, z in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def test_read_ahead_follows_the_batch_loader_not_the_whole_epoch(blocks_cache, monkeypatch):

@@ -233,7 +233,7 @@ def test_netpbm_images_are_read_and_other_files_are_counted_by_extension(tmp_pat
     report = build_cache(tmp_path / "src", tmp_path / "c", workers=1)
     assert report.other_files == listing.other_files
     ds = MemmapImageDataset(tmp_path / "c")
-    for (path, _), (image, _) in zip(ds.samples, ds):
+    for (path, _), (image, _) in zip(ds.samples, ds, strict=True):
         assert np.array_equal(image, cv2.imread(path)[:, :, ::-1])
     assert cli.main(["build", str(tmp_path / "src"), str(tmp_path / "c")]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (

@@ -95,3 +95,16 @@ def test_an_unchanged_build_renews_the_stamps_a_refresh_could_not_take(tmp_path)
     aged(src)  # (time passes)
     assert build_cache(src, cache, workers=0).up_to_date
     assert fmt.read_manifest(cache).extra["source_stamps"]["folders"]["a"] == LONG_AGO
+
+
+def test_the_quick_check_sees_a_subfolder_added_two_levels_down(tmp_path):
+    # A new src/a/w changes the mtime of src/a alone, a folder that holds no file itself:
+    # every folder above a listed file is stamped, not only the files' own folders.
+    src = tmp_path / "src"
+    make_folder(src / "a", {"x": [(20, 16)] * 2, "y": [(16, 20)]})
+    make_folder(src / "b", {"z": [(16, 16)]})
+    build_cache(aged(src), tmp_path / "cache", workers=0)
+    MemmapImageDataset(tmp_path / "cache", on_stale="error")  # unchanged: no error
+    make_folder(src / "a", {"w": [(16, 16)]})
+    with pytest.warns(StaleCacheWarning, match="1 added"):
+        MemmapImageDataset(tmp_path / "cache")

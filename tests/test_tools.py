@@ -93,3 +93,14 @@ def test_before_after_times_both_checkouts_in_turns(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "build: before" in run.stdout and "lazy epoch one: before" in run.stdout
+
+
+def test_the_mutation_tool_mutates_the_named_module_alone_under_its_tests():
+    # (mutmut itself is the optional mutation extra, and its runs take minutes: not run here)
+    tomllib = pytest.importorskip("tomllib")
+    sys.path.insert(0, str(TOOLS))
+    import mutation
+
+    table = tomllib.loads(mutation.config("_tar", ["tests/test_archives.py"]))["tool"]["mutmut"]
+    assert table["only_mutate"] == ["mmcache/_tar.py"]
+    assert table["pytest_add_cli_args_test_selection"] == ["tests/test_archives.py"]

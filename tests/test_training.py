@@ -101,7 +101,7 @@ def test_plan_is_a_deprecated_alias_of_draw_batch(ds):
     with pytest.warns(DeprecationWarning, match=r"plan\(\) is deprecated.*draw_batch"):
         idx, boxes, flips = loader.plan(2)
     want = loader.draw_batch(2)
-    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want))
+    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want, strict=True))
 
 
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
@@ -110,7 +110,7 @@ def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     batches = BatchLoader(ds, 6, crop=crop)
     per_sample = MemmapImageDataset(cache, transform=crop)
     loader = DataLoader(per_sample, batch_size=6, num_workers=2, multiprocessing_context="spawn")
-    for (a, la), (b, lb) in zip(batches, loader):
+    for (a, la), (b, lb) in zip(batches, loader, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # and a random crop's pixels, for the box it drew, are resized_crop's
     torch.manual_seed(0)
@@ -132,11 +132,12 @@ def test_the_same_seed_gives_the_same_batches_whatever_the_threads_and_runs(ds):
         return epoch(loader)
 
     one, three, again = run(1), run(3), run(1)
-    for (a, la), (b, lb), (c, _) in zip(one, three, again):
+    for (a, la), (b, lb), (c, _) in zip(one, three, again, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(la, lb)
     other_epoch = BatchLoader(ds, 5, shuffle=True, seed=11, crop=RandomResizedCrop(36))
     other_epoch.set_epoch(3)
-    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, epoch(other_epoch)))
+    other = epoch(other_epoch)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, other, strict=True))
 
 
 @pytest.mark.parametrize("seed", [7, None])
@@ -156,9 +157,39 @@ def test_resume_after_k_batches_equals_the_uninterrupted_epoch(ds, seed):
     resumed.load_state_dict(state)
     rest = [images.clone() for images, _ in resumed]
     assert len(rest) == len(rest_uninterrupted) == len(first) - 3 and len(head) == 3
-    assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted))
+    assert all(torch.equal(a, b) for a, b in zip(rest, rest_uninterrupted, strict=True))
     # after the resumed epoch, the next iteration is a whole epoch again
     assert len(list(resumed)) == len(first)
+
+
+def test_a_state_saved_right_after_iter_of_a_resumed_loader_keeps_its_position(ds):
+    # The checkpoint of a resumed run, saved before its first batch (a crash right after it
+    # restarts), still says where it stands: resuming from it again gives the same rest.
+    def make():
+        return BatchLoader(ds, 6, shuffle=True, seed=5, crop=RandomResizedCrop(16), flip=True)
+
+    uninterrupted = [images.clone() for images, _ in make()]
+    resumed = make()
+    resumed.load_state_dict(_saved(make(), batches=4))
+    iter(resumed)
+    again = json.loads(json.dumps(resumed.state_dict()))
+    assert again["batches"] == 4
+    last = make()
+    last.load_state_dict(again)
+    rest = [images.clone() for images, _ in last]
+    assert all(torch.equal(a, b) for a, b in zip(rest, uninterrupted[4:], strict=True))
+
+
+def test_the_draws_of_an_epoch_longer_than_1024_positions_do_not_repeat(ds):
+    # Positions are drawn in blocks of 1,024: each block its own numbers, so the record at
+    # positions p and p + 1024 gets another box and flip.
+    loader = BatchLoader(ds, 550, sampler=[0] * 1100, crop=RandomResizedCrop(8), flip=True, seed=2)
+    images = torch.cat([b for b, _ in loader])
+    assert len(images) == 1100
+    assert not torch.equal(images[:76], images[1024:])
+    first, second = loader.draw_batch(0), loader.draw_batch(1)
+    assert not np.array_equal(first[1][:76], second[1][474:])
+    assert not np.array_equal(first[2][:76], second[2][474:])
 
 
 def _loader(ds, **kw):
@@ -200,7 +231,10 @@ def test_resume_into_another_run_is_refused_naming_what_differs(cache, ds, tmp_p
     copy_cache(cache, tmp_path / "copy")
     copied = MemmapImageDataset(tmp_path / "copy")
     assert copied.generation != ds.generation
-    _loader(copied, shuffle=True, seed=3).load_state_dict(state)
+    resumed = _loader(copied, shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    whole = epoch(_loader(ds, shuffle=True, seed=3))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
 
 
 def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a_warning(ds):
@@ -210,7 +244,7 @@ def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a
     resumed = _loader(ds, shuffle=True, seed=3)
     with pytest.warns(UserWarning, match="records no dataset or order"):
         resumed.load_state_dict(state)
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:]))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
     with pytest.warns(UserWarning), pytest.raises(StateMismatchError, match="another seed"):
         _loader(ds, shuffle=True, seed=4).load_state_dict(state)  # the seed is checked
 
@@ -247,7 +281,7 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     resumed_sampler.load_state_dict(state)
     rest = list(DataLoader(cropped, batch_size=4, sampler=resumed_sampler))
     assert len(rest) == len(whole) - 5
-    for (a, la), (b, lb) in zip(rest, whole[5:]):
+    for (a, la), (b, lb) in zip(rest, whole[5:], strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     # a BatchLoader over the same sampler resumes the same way
     full = epoch(BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32)))
@@ -259,7 +293,7 @@ def test_resume_with_a_quasi_random_sampler_and_the_dataloader(cache, ds):
     it.close()
     again = BatchLoader(ds, 4, sampler=sampler(), crop=CenterResizedCrop(32))
     again.load_state_dict(json.loads(json.dumps(state)))
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:]))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(again), full[5:], strict=True))
 
 
 def test_crops_larger_than_the_stored_images_warn_once_and_the_advice_works(cache, tmp_path):
@@ -364,7 +398,7 @@ def test_normalised_batches_on_the_cpu(ds):
             dtype=dtype, channels_last=channels_last,
         )  # fmt: skip
         plain.set_epoch(0)
-        for (u8, _), (x, _) in zip(epoch(plain), epoch(normed)):
+        for (u8, _), (x, _) in zip(epoch(plain), epoch(normed), strict=True):
             assert x.dtype == dtype and x.shape == (len(u8), 3, 32, 32)
             assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
             want = u8.permute(0, 3, 1, 2).double() / 255 - torch.tensor(mean).view(1, 3, 1, 1)
@@ -399,7 +433,8 @@ def test_without_crop_mixed_shapes_are_refused_with_the_way_out(ds):
 def test_a_crop_reads_only_the_box_s_rows_with_pread(ds):
     mapped = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="mmap")
     pread = BatchLoader(ds, 6, shuffle=True, seed=2, crop=RandomResizedCrop(30), read="pread")
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(mapped), epoch(pread)))
+    pairs = zip(epoch(mapped), epoch(pread), strict=True)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in pairs)
 
 
 RANK_SCRIPT = """

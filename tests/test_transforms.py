@@ -59,7 +59,7 @@ def test_boxes_are_torchvision_s_for_the_same_random_numbers(shape):
     crop = RandomResizedCrop(224)
     u = np.random.default_rng(0).random((2000, DRAWS))
     ours = crop.boxes(np.array([shape] * len(u)), u[:, : crop.draws])
-    for row, box in zip(u, ours):
+    for row, box in zip(u, ours, strict=True):
         tries = iter(range(TRIES))
         area_ratio = iter([(row[k], row[TRIES + k]) for k in range(TRIES)])
         pos = iter(row[2 * TRIES : 2 * TRIES + 2])
@@ -103,7 +103,7 @@ def test_box_statistics_match_torchvision_s_own_random_draws(shape):
         left = b[:, 1] / np.maximum(1, w - b[:, 3] + 1)
         return area, aspect, top, left
 
-    for ours_s, ref_s in zip(stats(ours), stats(reference)):
+    for ours_s, ref_s in zip(stats(ours), stats(reference), strict=True):
         # two-sample Kolmogorov-Smirnov distance; 0.02 is ~3x its spread at n = 20,000
         assert ks_distance(ours_s, ref_s) < 0.02
     assert (ours[:, 2] <= h).all() and (ours[:, 3] <= w).all()
@@ -190,6 +190,17 @@ def test_center_crop_is_resize_256_then_center_crop_224_on_a_short_side_256_imag
     box = CenterResizedCrop(224).boxes(np.array([[480, 720]]))[0]
     assert tuple(box) == (30, 150, 420, 420)
     assert np.array_equal(CenterResizedCrop(224)(big), resized_crop(big, box, (224, 224)))
+
+
+@pytest.mark.parametrize("margin", range(12))
+def test_the_centre_box_rounds_its_margin_as_torchvision_s_center_crop(margin):
+    # torchvision's CenterCrop: crop_top = int(round((image_height - crop_height) / 2.0)),
+    # Python's round, half to even: margins 4k + 3 round up (3 -> 2), 4k + 1 down (5 -> 2).
+    offset = int(round(margin / 2.0))
+    img = _photo(8, 8 + margin, seed=margin)
+    assert np.array_equal(CenterResizedCrop(8, ratio=1.0)(img), img[:, offset : offset + 8])
+    tall = np.ascontiguousarray(img.transpose(1, 0, 2))
+    assert np.array_equal(CenterResizedCrop(8, ratio=1.0)(tall), tall[offset : offset + 8])
 
 
 def test_a_crop_larger_than_the_image_warns_once_per_size_naming_the_short_side_to_build():

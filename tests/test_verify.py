@@ -225,9 +225,13 @@ def test_a_record_whose_source_vanished_or_changed_is_left_as_it_was(cache, smal
     assert [b.index for b in verify_cache(cache).bad] == [1, 2]
     # one of two repairable: the other is repaired, this one stays as it was
     _damage(cache, 6)
+    kept = [MemmapImageDataset(cache, on_stale="ignore").read(i).copy() for i in (1, 2)]
     report = repair_cache(cache, workers=0)
     assert [b.index for b in report.repaired] == [6] and not report.ok
     assert [b.index for b in report.unrepaired] == [1, 2]
+    # their bytes where they were, not the zeros of the space appended for them
+    ds = MemmapImageDataset(cache, on_stale="ignore")
+    assert all(np.array_equal(ds.read(i), k) for i, k in zip((1, 2), kept, strict=True))
     assert [b.index for b in verify_cache(cache).bad] == [1, 2]
     # and a build from the source refreshes them, as the message says
     build_cache(small_folder, cache, workers=1)

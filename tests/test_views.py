@@ -43,8 +43,8 @@ def same(a, b):
     flat = [[*s[0], *(s[1] if len(s) == 3 else []), s[-1]] for s in a]
     other = [[*s[0], *(s[1] if len(s) == 3 else []), s[-1]] for s in b]
     return len(flat) == len(other) and all(
-        len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
-        for x, y in zip(flat, other)
+        len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
+        for x, y in zip(flat, other, strict=True)
     )
 
 
@@ -86,11 +86,11 @@ def test_each_view_is_its_returned_box_and_flip_of_the_record(caches, pixels, re
             record = ds.read(i)
             rows = [p[j].tolist() for p in params]
             assert len({tuple(r[:4]) for r in rows}) == 5  # five different boxes
-            for (top, left, h, w, _), crop in zip(rows, transform.crops):
+            for (top, left, h, w, _), crop in zip(rows, transform.crops, strict=True):
                 assert top + h <= record.shape[0] and left + w <= record.shape[1]
                 assert h * w >= crop.scale[0] * record.shape[0] * record.shape[1] * 0.9
             flipped += sum(r[4] for r in rows)
-            for got, want in zip(images, transform.apply(record, rows)):
+            for got, want in zip(images, transform.apply(record, rows), strict=True):
                 assert np.array_equal(got[j].numpy(), want)
             assert not torch.equal(images[0][j], images[1][j])
     assert 0 < flipped < 5 * N  # each view's flip is drawn
@@ -151,7 +151,8 @@ def test_the_dataloader_transform_gives_views_and_their_params(caches):
     ds = MemmapImageDataset(caches / "rgb", transform=transform)
     views, params = ds[4][0]
     assert [v.shape for v in views] == [(24, 24, 3)] * 2 + [(12, 12, 3)] * 3
-    assert all(np.array_equal(a, b) for a, b in zip(views, transform.apply(ds.read(4), params)))
+    again = transform.apply(ds.read(4), params)
+    assert all(np.array_equal(a, b) for a, b in zip(views, again, strict=True))
     (batch, batch_params), labels = next(iter(DataLoader(ds, batch_size=4)))
     assert [tuple(v.shape) for v in batch] == [(4, 24, 24, 3)] * 2 + [(4, 12, 12, 3)] * 3
     assert [tuple(p.shape) for p in batch_params] == [(4, 5)] * 5 and len(labels) == 4

@@ -169,7 +169,7 @@ def _non_utf8_folder(tmp_path: Path) -> Path:
     for cls in (b"ok", b"\xe9t\xe9"):  # a class folder whose name is not UTF-8 either
         folder = os.path.join(os.fsencode(src), cls)
         os.makedirs(folder)
-        for name, image in zip(NAMES, ("hopper.jpg", "flower.jpg")):
+        for name, image in zip(NAMES, ("hopper.jpg", "flower.jpg"), strict=True):
             shutil.copy(TESTIMAGES / image, os.path.join(folder, name))
         shutil.copy(TESTIMAGES / "hopper.png", os.path.join(folder, b"plain.png"))
         shutil.copy(TESTIMAGES / "broken.png", os.path.join(folder, b"br\xfcken.png"))
@@ -194,7 +194,7 @@ def test_names_that_are_not_utf8_build_and_read_through_the_dataloader(tmp_path,
     assert sorted(os.fsencode(c) for c in ds.classes) == [b"ok", b"\xe9t\xe9"]
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
     seen = 0
-    for (path, label), (img, target) in zip(ds.samples, loader):
+    for (path, label), (img, target) in zip(ds.samples, loader, strict=True):
         assert os.path.exists(path) and target == label
         assert np.array_equal(img.numpy(), _reference_of(path, tmp_path))
         seen += 1

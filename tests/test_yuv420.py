@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import cv2
@@ -67,6 +68,33 @@ def _i420(path, color="rgb") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.clip(np.round(p), 0, 255) for p in (y, *halves))
 
 
+def _naive_rgb(y: np.ndarray, cb: np.ndarray, cr: np.ndarray) -> np.ndarray:
+    """RGB of I420 planes in float64, unrounded, pixel by pixel: each chroma sample read at
+    x / 2 - 1/4 (bilinear, align_corners=False at 2x, edges clamped), then full-range BT.601."""
+
+    def taps(x: int, n: int) -> list[tuple[int, float]]:
+        s = x / 2 - 0.25
+        j = math.floor(s)
+        return [(min(max(j, 0), n - 1), 1 - (s - j)), (min(max(j + 1, 0), n - 1), s - j)]
+
+    out = np.empty((*y.shape, 3))
+    for r in range(y.shape[0]):
+        for c in range(y.shape[1]):
+            b = red = 0.0
+            for i, wi in taps(r, cb.shape[0]):
+                for j, wj in taps(c, cb.shape[1]):
+                    b += wi * wj * (float(cb[i, j]) - 128)
+                    red += wi * wj * (float(cr[i, j]) - 128)
+            luma = float(y[r, c])
+            out[r, c] = (luma + 1.402 * red, luma - 0.344136 * b - 0.714136 * red, luma + 1.772 * b)
+    return out
+
+
+def _random_planes(rng: np.random.Generator, h: int, w: int) -> list[np.ndarray]:
+    halves = ((h + 1) // 2, (w + 1) // 2)
+    return [rng.integers(0, 256, s, dtype=np.uint8) for s in ((h, w), halves, halves)]
+
+
 def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
     ds = MemmapImageDataset(yuv)
     files = fmt.open_cache(yuv)
@@ -76,7 +104,7 @@ def test_records_follow_the_stated_rule_at_odd_and_even_sizes(yuv):
         y, cb, cr = ds.planes(i)
         assert y.shape == (h, w) and cb.shape == cr.shape == ((h + 1) // 2, (w + 1) // 2)
         assert int(ds.reader.records.nbytes[i]) == h * w + 2 * ((h + 1) // 2) * ((w + 1) // 2)
-        for got, want in zip((y, cb, cr), _i420(path)):
+        for got, want in zip((y, cb, cr), _i420(path), strict=True):
             # OpenCV's fixed-point arithmetic rounds within a level of the float rule
             assert np.abs(got.astype(int) - want).max() <= 1, path
         img = ds[i][0]
@@ -196,7 +224,8 @@ def test_copy_compact_and_refresh_keep_i420_records(src, yuv, tmp_path):
     before = _images(yuv)
     copy_cache(yuv, tmp_path / "copy")
     assert fmt.read_manifest(tmp_path / "copy").pixels == "yuv420"
-    assert all(np.array_equal(a, b) for a, b in zip(before, _images(tmp_path / "copy")))
+    copied = _images(tmp_path / "copy")
+    assert all(np.array_equal(a, b) for a, b in zip(before, copied, strict=True))
     # a refresh: one file rewritten at another size, one added; the rest is kept in place
     changed = sorted(src.rglob("*.jpg"))[0]
     cv2.imwrite(str(changed), np.full((9, 13, 3), 200, np.uint8))
@@ -205,10 +234,10 @@ def test_copy_compact_and_refresh_keep_i420_records(src, yuv, tmp_path):
     assert report.appended and report.decoded == 2 and garbage_bytes(fmt.open_cache(yuv)) > 0
     build_cache(src, tmp_path / "fresh", workers=0, pixels="yuv420")
     fresh = _images(tmp_path / "fresh")
-    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv), strict=True))
     compact_cache(yuv)
     assert garbage_bytes(fmt.open_cache(yuv)) == 0
-    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv)))
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, _images(yuv), strict=True))
     assert verify_cache(yuv).bad == []
 
 
@@ -218,7 +247,8 @@ def test_a_lazy_i420_cache_fills_what_a_build_stores(src, yuv, tmp_path):
     built = MemmapImageDataset(yuv)
     for i in range(len(built)):
         assert np.array_equal(lazy[i][0], built[i][0])  # filled on this read
-        assert all(np.array_equal(a, b) for a, b in zip(lazy.planes(i), built.planes(i)))
+        pairs = zip(lazy.planes(i), built.planes(i), strict=True)
+        assert all(np.array_equal(a, b) for a, b in pairs)
     assert verify_cache(tmp_path / "lazy").bad == []
 
 
@@ -237,11 +267,25 @@ def test_planes_convert_on_torch_within_two_levels_and_rgb_caches_have_none(src,
         MemmapImageDataset(tmp_path / "rgb").planes(0)
 
 
+def test_on_torch_each_pixel_is_the_formula_rounded_to_the_nearest_level():
+    # A naive float64 reference, pixel by pixel: float32 may round a value within a hair of a
+    # tie either way, every other pixel is the nearest level (truncating is off on half).
+    rng = np.random.default_rng(5)
+    for h, w in [(9, 13), (10, 12), (1, 1), (17, 6)]:
+        planes = _random_planes(rng, h, w)
+        want = _naive_rgb(*planes)
+        got = mmcache.yuv420_to_rgb(*map(torch.from_numpy, planes)).numpy().astype(float)
+        near_tie = np.abs(want - np.floor(want) - 0.5) < 1e-3
+        rounded = np.clip(np.round(want), 0, 255)
+        assert np.array_equal(got[~near_tie], rounded[~near_tie]), (h, w)
+        assert np.abs(got - rounded).max() <= 1, (h, w)
+
+
 def test_bgr_caches_read_back_as_bgr(src, tmp_path):
     build_cache(src, tmp_path / "bgr", workers=0, pixels="yuv420", color="bgr")
     build_cache(src, tmp_path / "rgb", workers=0, pixels="yuv420")
     bgr, rgb = _images(tmp_path / "bgr"), _images(tmp_path / "rgb")
-    assert all(np.array_equal(a, b[..., ::-1]) for a, b in zip(bgr, rgb))
+    assert all(np.array_equal(a, b[..., ::-1]) for a, b in zip(bgr, rgb, strict=True))
 
 
 # BatchLoader ----------------------------------------------------------------------------------
@@ -265,7 +309,8 @@ def test_without_crop_whole_records_convert_into_the_batch(yuv, tmp_path):
         assert torch.equal(images, torch.from_numpy(np.stack(_images(tmp_path / "same-yuv"))))
     flipped = next(iter(BatchLoader(ds, 9, flip=True, seed=1)))[0]
     _, _, flips = BatchLoader(ds, 9, flip=True, seed=1).draw_batch(0)
-    want = [img[:, ::-1] if f else img for img, f in zip(_images(tmp_path / "same-yuv"), flips)]
+    records = _images(tmp_path / "same-yuv")
+    want = [img[:, ::-1] if f else img for img, f in zip(records, flips, strict=True)]
     assert torch.equal(flipped, torch.from_numpy(np.stack(want)))
 
 
@@ -290,6 +335,8 @@ def test_a_window_converts_to_the_same_pixels_as_the_whole_record():
     for h, w in [(9, 13), (10, 12), (1, 1), (2, 7), (33, 17)]:
         record = px.from_bgr(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "yuv420")
         whole = px.convert(*px.planes(record))
+        # the whole record against the formula (cv2's fixed point: within two levels)
+        assert np.abs(whole - np.clip(_naive_rgb(*px.planes(record)), 0, 255)).max() < 2, (h, w)
         for _ in range(20):
             top, left = int(rng.integers(0, h)), int(rng.integers(0, w))
             bh, bw = int(rng.integers(1, h - top + 1)), int(rng.integers(1, w - left + 1))
@@ -340,7 +387,7 @@ def test_the_same_seed_gives_the_same_i420_batches_whatever_the_threads(photos):
         return [b.clone() for b, _ in loader]
 
     one, three = run(1), run(3)
-    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
 
 
 def test_an_i420_epoch_resumes_from_its_state_dict(photos):
