@@ -30,7 +30,7 @@ from mmcache.sample_data import make_detection_set, make_segmentation_set
 from mmcache.transforms import resize_into
 
 HAS_CUDA = torch.cuda.is_available()
-NEEDS_CUDA = [pytest.mark.needs_cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+NEEDS_CUDA = [pytest.mark.needs_cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 CUDA = pytest.param("cuda", marks=NEEDS_CUDA)
 DEVICES = ["cpu", CUDA]
 
