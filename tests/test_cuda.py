@@ -68,20 +68,22 @@ def i420(tmp_path_factory) -> MemmapImageDataset:
     return MemmapImageDataset(root / "c")
 
 
+def annotated(tmp_path_factory, make: Any, option: str) -> MemmapImageDataset:
+    """A cache of seven generated images with their annotations (``option``: masks or coco)."""
+    root = tmp_path_factory.mktemp(option)
+    images, annotations = make(root / "src", images=7, size=(36, 48))
+    build_cache(images, root / "c", workers=0, **{option: annotations})
+    return MemmapImageDataset(root / "c")
+
+
 @pytest.fixture(scope="module")
 def masked(tmp_path_factory) -> MemmapImageDataset:
-    root = tmp_path_factory.mktemp("seg")
-    images, masks = make_segmentation_set(root / "src", images=6, size=(36, 48))
-    build_cache(images, root / "c", masks=masks, workers=0)
-    return MemmapImageDataset(root / "c")
+    return annotated(tmp_path_factory, make_segmentation_set, "masks")
 
 
 @pytest.fixture(scope="module")
 def boxed(tmp_path_factory) -> MemmapImageDataset:
-    root = tmp_path_factory.mktemp("det")
-    images, coco = make_detection_set(root / "src", images=7, size=(36, 48))
-    build_cache(images, root / "c", coco=coco, workers=0)
-    return MemmapImageDataset(root / "c")
+    return annotated(tmp_path_factory, make_detection_set, "coco")
 
 
 # --- the shared comparison ----------------------------------------------------------------
