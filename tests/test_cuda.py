@@ -8,7 +8,8 @@ masks and boxes that the CPU threads made, and the one float path, ``normalize``
 subtraction then one division, each rounded to ``dtype`` (torch computes float16 and bfloat16
 in float32 and rounds, on both devices), which ``normalized`` below models step by step.
 A mismatch names the largest difference, so a run on a GPU says how far apart they were.
-The one tolerance is ``yuv420_to_rgb`` on torch tensors, documented as within one level.
+The one tolerance is ``yuv420_to_rgb`` on torch tensors (float arithmetic, rounded): within
+two levels of OpenCV's conversion, within one of itself on the CPU (see that test).
 
 ``python tools/cuda_check.py`` runs the ``needs_cuda`` tests and a short GPU bench.
 """
@@ -112,14 +113,20 @@ def devices_of(x: Any) -> set[torch.device]:
     return set()
 
 
+def layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that say a tensor's memory layout: those of its dimensions longer than 1
+    (torch picks any stride for a dimension of one, and none matter in an empty tensor)."""
+    return () if t.numel() == 0 else tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
+
+
 def same(got: Any, want: Any, where: str = "batches") -> None:
-    """``got`` equals ``want`` exactly: structure, dtype, shape, strides and every value."""
+    """``got`` equals ``want`` exactly: structure, dtype, shape, layout and every value."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, not a tensor"
         assert (got.dtype, got.shape) == (want.dtype, want.shape), (
             f"{where}: {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
         )
-        assert got.stride() == want.stride(), f"{where}: strides {got.stride()} {want.stride()}"
+        assert layout(got) == layout(want), f"{where}: strides {got.stride()} {want.stride()}"
         if not torch.equal(got, want):
             diff = (got.double() - want.double()).abs()
             raise AssertionError(
@@ -139,9 +146,12 @@ def same(got: Any, want: Any, where: str = "batches") -> None:
 def run(ds: MemmapImageDataset, device: str, batch_size: int = 4, **kw: Any) -> list[Any]:
     """Every batch of an epoch of ``BatchLoader(ds, batch_size, device=device, **kw)`` on the
     CPU, after checking that each was on ``device``."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:  # "cuda" is the current device
+        where = torch.device("cuda", torch.cuda.current_device())
     out = []
     for batch in BatchLoader(ds, batch_size, device=device, **kw):
-        assert devices_of(batch) == {torch.device(device)}, devices_of(batch)
+        assert devices_of(batch) == {where}, devices_of(batch)
         out.append(host(batch))
     return out
 
