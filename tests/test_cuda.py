@@ -453,5 +453,11 @@ def test_a_second_gpu_gets_its_batches_and_their_stream_order(mixed, device):
           "normalize": IMAGENET}  # fmt: skip
     with torch.cuda.device(0):  # the current device is another: the loader must not care
         got = run(mixed, device, **kw)
+    # "cuda" is the current device of the thread that makes the loader (a DDP rank's, after
+    # torch.cuda.set_device), not that of the filling threads, which start on the first GPU.
+    with torch.cuda.device(1):
+        current = run(mixed, "cuda", **kw)  # run checks that they are on cuda:1
     loader = BatchLoader(mixed, 4, **kw)
-    same(got, normalized_batches(reference(loader), torch.float32, False), device)
+    want = normalized_batches(reference(loader), torch.float32, False)
+    same(got, want, device)
+    same(current, want, "device='cuda' under torch.cuda.device(1)")
