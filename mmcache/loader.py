@@ -245,6 +245,8 @@ class BatchLoader:
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device} asked for, but CUDA is not available")
+            if self.device.index is None:  # this thread's device; the filling threads' is GPU 0
+                self.device = torch.device("cuda", torch.cuda.current_device())
             pin_memory = True  # an asynchronous host-to-device copy needs page-locked memory
         if pin_memory and not torch.cuda.is_available():
             warnings.warn(

@@ -25,6 +25,7 @@ SMOKE = [
      "same bytes"),
     ("bench_plan.py", ["--images", "20", "--classes", "2", "--repeat", "1"], "us/file"),
     ("compare_builds.py", ["--before", "HEAD", "--after", "HEAD"], "no options: identical"),
+    ("cuda_check.py", ["--without-device"], "no GPU result is claimed"),
     ("crop_closeness.py", ["--crops", "5", "--images", "2", "--size", "32"], "reproduce:"),
     ("decoders.py", ["--images", "4", "--repeat", "1"], "cv2.imdecode"),
     ("lazy_epochs.py", ["--images", "8", "--image-size", "64x48", "--epochs", "2",
