@@ -793,7 +793,7 @@ def _close_gaps(g: Generation, keep: np.ndarray, offsets: np.ndarray, data_bytes
     new_size = start + end if len(placed) else (g.appended_after or 0)
     if not shift.any():
         return min(new_size, data_bytes)
-    fd = os.open(g.data_path, os.O_RDWR)
+    fd = open_for_writing(g.data_path)
     try:
         # Runs: consecutive records that move by the same amount lie side by side.
         firsts = np.flatnonzero(np.diff(shift, prepend=-1) != 0)

@@ -116,7 +116,9 @@ def devices_of(x: Any) -> set[torch.device]:
 def layout(t: torch.Tensor) -> tuple[int, ...]:
     """The strides that say a tensor's memory layout: those of its dimensions longer than 1
     (torch picks any stride for a dimension of one, and none matter in an empty tensor)."""
-    return () if t.numel() == 0 else tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
+    if t.numel() == 0:
+        return ()
+    return tuple(s for s, n in zip(t.stride(), t.shape, strict=True) if n > 1)
 
 
 def same(got: Any, want: Any, where: str = "batches") -> None:
@@ -139,7 +141,7 @@ def same(got: Any, want: Any, where: str = "batches") -> None:
             same(got[k], want[k], f"{where}[{k!r}]")
         return
     assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: lengths differ"
-    for k, (g, w) in enumerate(zip(got, want)):
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
         same(g, w, f"{where}[{k}]")
 
 
