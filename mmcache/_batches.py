@@ -205,11 +205,25 @@ class Ring:
         return target
 
 
+# How many users a tensor's storage has (each tensor and view over it, the Python storage
+# object made to ask): torch has no public name for it, and builds before 2.5 without CUDA
+# lack it, where every slot is taken for in use (a new buffer per batch: correct, slower).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _uses(tensor: torch.Tensor) -> int:
+    assert _storage_use_count is not None
+    return int(_storage_use_count(tensor.untyped_storage()._cdata))
+
+
+# The count of a tensor nothing else uses, measured rather than assumed (torch's to define).
+_UNUSED = None if _storage_use_count is None else _uses(torch.empty(1))
+
+
 def in_use(tensor: torch.Tensor) -> bool:
     """Whether anything but ``tensor`` itself uses its memory (a batch handed out, a view or
-    numpy array of it). The storage's use count counts each tensor over it, and the
-    Python storage object made to ask."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
+    numpy array of it)."""
+    return _UNUSED is None or _uses(tensor) > _UNUSED
 
 
 def renew(buffers: list[torch.Tensor], slot: int, pinned: bool) -> None:

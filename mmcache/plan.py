@@ -112,8 +112,9 @@ class CachePlan:
 
     ``build`` is the plan under the options asked for; ``policies`` the same figures under the
     common resize policies (``COMMON_POLICIES``, with the asked color and pixel limit). Each
-    ``data_bytes`` is exact for the files whose header was read: a build appends the pixels of
-    ``unreadable`` files (if they decode) after them, and leaves ``too_large`` files out.
+    ``data_bytes`` is exact for the files whose header was read and that decode: a build
+    appends the pixels of ``unreadable`` files (if they decode) after them, and leaves out
+    ``too_large`` files and those that fail to decode (a truncated JPEG's header is sound).
     """
 
     source: Path

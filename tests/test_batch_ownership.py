@@ -91,6 +91,21 @@ def test_a_loop_that_drops_each_batch_reuses_the_ring(caches):
     assert len(pointers) <= loader.prefetch + 2  # no buffer made per batch
 
 
+def test_a_torch_that_cannot_count_a_storage_s_users_gets_a_new_buffer_per_batch(
+    caches, monkeypatch
+):
+    # (torch builds before 2.5 without CUDA lack the count: every slot is taken for in use)
+    import mmcache._batches
+
+    monkeypatch.setattr(mmcache._batches, "_UNUSED", None)
+    loader = BatchLoader(MemmapImageDataset(caches / "rgb"), 2, seed=0, crop=RandomResizedCrop(16))
+    copies = [_cloned(batch) for batch in loader]
+    loader.set_epoch(0)
+    batches = list(loader)
+    assert len({images.data_ptr() for images, _ in batches}) == len(batches)
+    assert all(_same(k, c) for k, c in zip(batches, copies, strict=True))
+
+
 def _epoch(loader):
     return [(x.clone(), y.clone()) for x, y in loader]
 

@@ -83,7 +83,9 @@ def test_the_training_recipe_runs_as_written(photos):
     assert images.shape[1:] == (3, 224, 224) and str(images.dtype) == "torch.float32"
     assert images.is_contiguous(memory_format=torch.channels_last)
     assert labels.dtype == torch.int64
-    assert namespace["checkpoint"]["loader"]["epoch"] == 1
+    # saved after epoch 1's last batch, the state resumes at the start of epoch 2
+    state = namespace["checkpoint"]["loader"]
+    assert (state["epoch"], state["batches"]) == (2, 0)
 
 
 # --- every command line and Python block of README.md and docs/*.md -----------------------------
