@@ -488,9 +488,9 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
             if not cuda:  # a batch the caller still holds keeps its buffers
                 for ring in job.view_rings or [job.ring]:
                     ring.claim(slot)
-                for params in job.params or ():
-                    for view in range(len(params)):
-                        renew(params, view, job.ring.pinned)
+                if job.params is not None:  # this slot's only: others are being filled
+                    for view in range(len(job.params[slot])):
+                        renew(job.params[slot], view, job.ring.pinned)
             if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
                 first = number * job.batch_size
                 last = min(first + job.batch_size, len(job.order)) - 1

@@ -112,6 +112,23 @@ def test_the_same_seed_gives_the_same_views_at_1_and_2_threads(caches):
     assert not same([s[::2] for s in one], epoch(other))
 
 
+def test_two_threads_kept_params_are_those_of_their_own_views(caches):
+    # Each thread replaces only its own slot's parameter buffers when they are kept: a thread
+    # that replaced another's while that one was filling it handed out unwritten boxes.
+    ds = MemmapImageDataset(caches / "rgb")
+
+    def run(threads, keep):
+        loader = BatchLoader(ds, 1, shuffle=True, seed=9, views=views_of(), flip=True,
+                             num_threads=threads, prefetch=4, return_params=True)  # fmt: skip
+        out = []
+        for e in range(6):
+            loader.set_epoch(e)
+            out += list(loader) if keep else epoch(loader)
+        return out
+
+    assert same(run(2, keep=True), run(1, keep=False))
+
+
 def test_resume_after_k_steps_equals_the_uninterrupted_epoch(caches):
     ds = MemmapImageDataset(caches / "yuv420")
     whole = BatchLoader(ds, 3, shuffle=True, seed=5, views=views_of(), flip=True)
