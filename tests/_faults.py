@@ -31,7 +31,7 @@ from mmcache import format as fmt
 from mmcache._staleness import stale_reason
 
 LONG = os.environ.get("MMCACHE_FAULTS", "") == "long"
-KILLS = 100 if LONG else 6  # per scenario: build and refresh, 12 kills in the quick mode
+KILLS = 100 if LONG else 4  # per scenario: build and refresh, 8 kills in the quick mode
 FLIPS = 400 if LONG else 16  # bit flips per file kind, at seeded random positions
 FUZZ = 3000 if LONG else 100  # hypothesis examples per fuzz test
 SEED = int(os.environ.get("MMCACHE_FAULTS_SEED", "20240607"))
