@@ -267,3 +267,39 @@ def test_an_i420_record_s_crop_takes_a_given_box_and_its_target_moves_with_it():
 def test_malformed_targets_are_refused(sample, message):
     with pytest.raises(ValueError, match=message):
         RandomResizedCrop(4)(sample)
+
+
+@pytest.mark.parametrize("rows", [list, tuple])
+def test_per_box_rows_in_lists_and_tuples_drop_with_their_boxes(rows):
+    # the crop keeps box 1 only (as above); a target without "labels" still filters the rest
+    img = np.zeros((60, 200, 3), np.uint8)
+    boxes = np.array([[5, 10, 30, 50], [90, 0, 140, 30], [170, 20, 195, 40]], np.float32)
+    target = {"boxes": boxes, "iscrowd": rows([0, 1, 0]), "area": rows([1.0, 2.0, 3.0])}
+    _, moved = CenterResizedCrop(30, ratio=1.0)((img, target))
+    assert moved["iscrowd"] == rows([1]) and moved["area"] == rows([2.0])
+    assert type(moved["iscrowd"]) is rows and target["iscrowd"] == rows([0, 1, 0])
+
+
+def test_a_mask_of_several_planes_moves_with_its_image_and_its_size_is_checked():
+    # an H x W x K mask (one plane per instance): each plane moved as a 2-D mask is
+    rng = np.random.default_rng(5)
+    planes = rng.integers(0, 4, (40, 48, 2), dtype=np.uint8)
+    img = np.zeros((40, 48, 3), np.uint8)
+    _, moved = CenterResizedCrop(16)((img, {"mask": planes}))
+    for k in range(2):
+        _, alone = CenterResizedCrop(16)((img, {"mask": planes[..., k]}))
+        assert np.array_equal(moved["mask"][..., k], alone["mask"])
+    wrong = np.zeros((40, 47, 2), np.uint8)
+    with pytest.raises(
+        ValueError, match=r"mask is \(40, 47\) \(height, width\), its image \(40, 48\)"
+    ):
+        CenterResizedCrop(16)((img, {"mask": wrong}))
+
+
+def test_the_flip_refuses_a_mask_of_another_width():
+    target = {"mask": np.zeros((8, 7, 2), np.uint8)}
+    with pytest.raises(ValueError, match=r"mask is \(8, 7\) \(height, width\), its image 8 wide"):
+        flip_target(target, 8)
+    assert flip_target({"mask": np.arange(8).reshape(1, 8)}, 8)["mask"].tolist() == [
+        list(range(7, -1, -1))
+    ]
