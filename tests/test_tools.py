@@ -105,3 +105,5 @@ def test_the_mutation_tool_mutates_the_named_module_alone_under_its_tests():
     table = tomllib.loads(mutation.config("_tar", ["tests/test_archives.py"]))["tool"]["mutmut"]
     assert table["only_mutate"] == ["mmcache/_tar.py"]
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_archives.py"]
+    env = mutation.environment(Path("/scratch"))
+    assert env["PYTHONPATH"] == "/scratch" and env["OMP_NUM_THREADS"] == "1"

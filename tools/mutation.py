@@ -31,6 +31,15 @@ def config(module: str, tests: list[str]) -> str:
     )
 
 
+def environment(scratch: Path) -> dict[str, str]:
+    """The environment of mutmut's run in ``scratch``: its copy of the package first, and one
+    torch intra-op thread. mutmut forks each mutant from a process that has run torch, and a
+    forked child that enters torch's OpenMP pool waits for the parent's threads for ever: such
+    a hang would be counted as a timeout, that is as a caught mutant."""
+    return {**os.environ, "PYTHONPATH": str(scratch), "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("module", help="a module of mmcache/, without .py: transforms, _tar, ...")
@@ -47,11 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(ROOT / folder, scratch / folder, ignore=ignore)
         toml = (ROOT / "pyproject.toml").read_text()
         (scratch / "pyproject.toml").write_text(toml + config(args.module, args.tests))
-        # One intra-op thread: mutmut forks each mutant from a process that has run torch, and
-        # a forked child that enters torch's OpenMP pool waits for the parent's threads for
-        # ever; such a hang would be counted as a timeout, that is as a caught mutant.
-        env = {**os.environ, "PYTHONPATH": str(scratch), "OMP_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1"}  # fmt: skip
+        env = environment(scratch)
         mutmut = [sys.executable, "-m", "mutmut"]
         children = ["--max-children", str(args.max_children)]
         run = subprocess.run([*mutmut, "run", *children, *args.only], cwd=scratch, env=env)
