@@ -231,15 +231,17 @@ def test_the_deprecated_center_crop_moves_targets_too():
     assert np.array_equal(out, new_out) and np.array_equal(target["mask"], new_target["mask"])
 
 
-def test_an_i420_record_s_crop_takes_a_given_box_and_its_target_moves_with_it():
-    """What the dataset does for a YUV record: draw the box, convert only it, move the target."""
+@pytest.mark.parametrize("interpolation", ["bilinear", "nearest"])
+def test_an_i420_record_s_crop_takes_a_given_box_and_its_target_moves_with_it(interpolation):
+    """What the dataset does for a YUV record: draw the box, convert only it (in the crop's
+    interpolation, in RGB or BGR), move the target."""
     rng = np.random.default_rng(6)
     h, w = 61, 90
     y = rng.integers(0, 256, (h, w), np.uint8)
     cb, cr = (rng.integers(0, 256, ((h + 1) // 2, (w + 1) // 2), np.uint8) for _ in range(2))
     mask = rng.integers(0, 5, (h, w), np.uint8)
     rgb = px.yuv420_to_rgb(y, cb, cr)
-    crop = RandomResizedCrop((30, 40))
+    crop = RandomResizedCrop((30, 40), interpolation=interpolation)
     torch.manual_seed(0)
     drawn = crop.crop_planes(y, cb, cr)
     torch.manual_seed(0)
@@ -250,6 +252,7 @@ def test_an_i420_record_s_crop_takes_a_given_box_and_its_target_moves_with_it():
     img, target = crop((rgb, {"mask": mask}))
     assert np.array_equal(given, drawn) and np.array_equal(given, img)
     assert np.array_equal(moved["mask"], target["mask"])
+    assert np.array_equal(crop.crop_planes(y, cb, cr, "bgr", box=box), given[..., ::-1])
 
 
 @pytest.mark.parametrize(

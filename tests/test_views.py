@@ -3,6 +3,7 @@ transform, on RGB and yuv420 caches of mixed shapes."""
 
 from __future__ import annotations
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -94,6 +95,39 @@ def test_each_view_is_its_returned_box_and_flip_of_the_record(caches, pixels, re
                 assert np.array_equal(got[j].numpy(), want)
             assert not torch.equal(images[0][j], images[1][j])
     assert 0 < flipped < 5 * N  # each view's flip is drawn
+
+
+def test_multicrop_draws_flips_only_when_asked_and_returns_params_only_when_asked():
+    img = np.random.default_rng(0).integers(0, 256, (40, 48, 3), np.uint8)
+    torch.manual_seed(0)
+    flipping = MultiCrop(views_of(), return_params=True)
+    flips = [int(p[4]) for _ in range(20) for p in flipping(img)[1]]
+    assert 0.25 < sum(flips) / len(flips) < 0.75  # each view's own coin
+    steady = MultiCrop(views_of(), flip=False, return_params=True)
+    assert all(int(p[4]) == 0 for _ in range(10) for p in steady(img)[1])
+    views = MultiCrop(views_of())(img)
+    assert isinstance(views, list) and len(views) == 5
+    assert all(isinstance(v, np.ndarray) for v in views)
+
+
+def test_multicrop_resizes_each_view_with_its_crop_s_kernel_and_mirrors_it():
+    # whole-image boxes: a plain resize, which OpenCV's own resize gives independently
+    img = np.random.default_rng(1).integers(0, 256, (40, 48, 3), np.uint8)
+    views = [(RandomResizedCrop(16, interpolation="nearest"), 1),
+             (RandomResizedCrop((16, 20), antialias=False), 1)]  # fmt: skip
+    whole = [[0, 0, 40, 48, 0], [0, 0, 40, 48, 1]]
+    nearest, linear = MultiCrop(views).apply(img, whole)
+    assert np.array_equal(nearest, cv2.resize(img, (16, 16), interpolation=cv2.INTER_NEAREST))
+    want = cv2.resize(img, (20, 16), interpolation=cv2.INTER_LINEAR)[:, ::-1]
+    assert np.array_equal(linear, want)
+
+
+def test_multicrop_refuses_targets_and_params_of_another_count():
+    img = np.zeros((40, 48, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"not an \(image, target\) pair: .* masks or boxes"):
+        MultiCrop(views_of())((img, {"mask": np.zeros((40, 48), np.uint8)}))
+    with pytest.raises(ValueError, match="5 views need 5 rows of params, got 4"):
+        MultiCrop(views_of()).apply(img, [[0, 0, 40, 48, 0]] * 4)
 
 
 def test_the_same_seed_gives_the_same_views_at_1_and_2_threads(caches):
