@@ -281,6 +281,23 @@ def test_on_torch_each_pixel_is_the_formula_rounded_to_the_nearest_level():
         assert np.abs(got - rounded).max() <= 1, (h, w)
 
 
+def test_stacked_planes_convert_as_each_image_alone_on_numpy_and_torch():
+    # (2, 3) images of 9 x 13 in one call: each is its own conversion, near the formula
+    rng = np.random.default_rng(6)
+    singles = [[_random_planes(rng, 9, 13) for _ in range(3)] for _ in range(2)]
+    stacked = [np.stack([np.stack([p[k] for p in row]) for row in singles]) for k in range(3)]
+    got = mmcache.yuv420_to_rgb(*stacked)
+    on_torch = mmcache.yuv420_to_rgb(*map(torch.from_numpy, stacked)).numpy()
+    assert got.shape == on_torch.shape == (2, 3, 9, 13, 3) and got.dtype == np.uint8
+    for i, j in np.ndindex(2, 3):
+        planes = singles[i][j]
+        assert np.array_equal(got[i, j], mmcache.yuv420_to_rgb(*planes))
+        torch_alone = mmcache.yuv420_to_rgb(*map(torch.from_numpy, planes)).numpy()
+        assert np.array_equal(on_torch[i, j], torch_alone)
+        want = np.clip(_naive_rgb(*planes), 0, 255)
+        assert np.abs(got[i, j].astype(float) - want).max() <= 2.5
+
+
 def test_bgr_caches_read_back_as_bgr(src, tmp_path):
     build_cache(src, tmp_path / "bgr", workers=0, pixels="yuv420", color="bgr")
     build_cache(src, tmp_path / "rgb", workers=0, pixels="yuv420")
