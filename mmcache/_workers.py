@@ -216,7 +216,15 @@ class _Pool:
         self.suspects: dict[int, str] = {}  # record -> how its first try ended
 
     def start_worker(self) -> None:
-        self.workers.append(_Worker(self.ctx, self.options))
+        try:
+            worker = _Worker(self.ctx, self.options)
+        except ChildProcessError:
+            # The forkserver was started by a process this one was forked from: not being
+            # its parent, this process cannot ask whether it still runs, and every start
+            # fails so (CPython gh-86354). Its workers are spawned instead.
+            self.ctx = multiprocessing.get_context("spawn")
+            worker = _Worker(self.ctx, self.options)
+        self.workers.append(worker)
 
     def results(self, pending: deque[list[Job]], data_path: str) -> Iterator[list[Result]]:
         self.data_path = data_path

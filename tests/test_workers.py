@@ -258,3 +258,37 @@ def test_a_fifo_named_like_an_image_is_skipped_never_waited_on(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "skipped a/pipe.jpg: not a regular file: a named pipe (FIFO)" in run.stdout
     assert len(MemmapImageDataset(tmp_path / "c")) == 2
+
+
+def test_a_process_forked_after_a_build_builds_with_workers_of_its_own(tmp_path):
+    # The parent's build started multiprocessing's forkserver; a forked child (a launcher
+    # that forks its ranks, a fork-mode DataLoader worker) cannot ask whether that server, not
+    # its own child, still runs (CPython gh-86354): every worker start failed there.
+    make_folder(tmp_path / "src", {"a": [(40, 30), (30, 40)], "b": [(50, 20), (20, 50)]})
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from mmcache import build_cache
+        root = sys.argv[1]
+        build_cache(root + "/src", root + "/parent", workers=1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                build_cache(root + "/src", root + "/child", workers=1)
+            except BaseException as e:
+                print(repr(e), file=sys.stderr, flush=True)
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+        timeout=DEADLINE,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    child = MemmapImageDataset(tmp_path / "child")
+    assert len(child) == 4
+    for i in range(len(child)):
+        assert np.array_equal(child.read(i), MemmapImageDataset(tmp_path / "parent").read(i))
