@@ -59,11 +59,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The model (recording, parsing, the crash states) lives beside this file; tools/ is put on the
+# The model (recording, parsing, the crash states) is in tools/_helpers/; tools/ is put on the
 # path so that the tool also imports when loaded from its file alone (tests/test_crash_states.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _crash_model import (  # noqa: E402
+from _helpers.crash_model import (  # noqa: E402
     ENV,
     FS,
     REPO,

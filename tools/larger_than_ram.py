@@ -57,11 +57,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mmcache
-# tools/: the measuring side, which this file runs as its child (--measure, --check-file), lives
-# beside it; put on the path so that it imports however this file is loaded
+# tools/: the measuring side, which this file runs as its child (--measure, --check-file), is in
+# tools/_helpers/; put on the path so that it imports however this file is loaded
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ltr_measure import cache_name, group_folder, measure, throttle_check  # noqa: E402
+from _helpers.ltr_measure import cache_name, group_folder, measure, throttle_check  # noqa: E402
 
 # read IOPS, read bytes per second (None: no limit)
 PROFILES = {

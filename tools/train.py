@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: _common
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: _helpers
 
-from _common import add_checkpoint_options, add_run_options  # noqa: E402
+from _helpers.common import add_checkpoint_options, add_run_options  # noqa: E402
 
 import mmcache  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
