@@ -264,14 +264,14 @@ PYTHON_RUN = {
     ("reliability.md", 'report = mmcache.verify_cache("cache/train", sour'): (
         'mmcache.build_cache("data/train", "cache/train", workers=0)'
     ),
-    ("README.md", "from mmcache import BatchLoader, MemmapImageDataset, Rand"): (
+    ("annotations.md", "from mmcache import BatchLoader, MemmapImageDataset, Rand"): (
         "from mmcache.sample_data import make_detection_set, make_segmentation_set\n"
         'voc = make_segmentation_set("voc", images=6, size=(300, 400))\n'
         'mmcache.build_cache(voc[0], "cache/voc", masks=voc[1], workers=0)\n'
         'coco = make_detection_set("coco", images=6, size=(600, 800))\n'
         'mmcache.build_cache(coco[0], "cache/coco", coco=coco[1], workers=0)'
     ),
-    ("README.md", "from mmcache import BatchLoader, MemmapImageDataset, Mult"): (
+    ("multicrop.md", "from mmcache import BatchLoader, MemmapImageDataset, Mult"): (
         'mmcache.build_cache("data/train", "cache/train", short_side=256, workers=0)'
     ),
     ("multicrop.md", "from mmcache import BatchLoader, MemmapImageDataset, Rand"): (

@@ -129,18 +129,26 @@ def _loading(args: argparse.Namespace, workdir: Path) -> BenchReport:
 
 
 def _training(args: argparse.Namespace, workdir: Path) -> TrainingReport:
+    crop = f"RandomResizedCrop({args.crop}) + flip"
+    return _crops(args, workdir, "training", "training pipeline", crop, run_training_bench,
+                  rows=args.rows, size=args.crop)  # fmt: skip
+
+
+def _crops(args, workdir, part, title, crops, run, *, rows, **more):
+    """Say, then run, the part of the bench that crops photos stored at --short-side
+    (``part`` is training or multicrop: its --PART-images, --PART-batch-size, --PART-epochs)."""
+    images, batch_size, epochs = (getattr(args, f"{part}_{k}") for k in
+                                  ("images", "batch_size", "epochs"))  # fmt: skip
     print(
-        f"training pipeline: {args.source or f'{args.training_images} generated JPEGs'} "
-        f"at shorter side {args.short_side}, RandomResizedCrop({args.crop}) + flip, batch "
-        f"{args.training_batch_size}, {args.workers} workers or threads",
+        f"{title}: {args.source or f'{images} generated JPEGs'} at shorter side "
+        f"{args.short_side}, {crops}, batch {batch_size}, {args.workers} workers or threads",
         flush=True,
     )
-    return run_training_bench(
-        source=args.source, images=args.training_images, image_size=args.image_size,
-        short_side=args.short_side, size=args.crop, batch_size=args.training_batch_size,
-        workers=args.workers, epochs=args.training_epochs,
-        rows=args.rows.split(",") if args.rows else None,
-        workdir=workdir / "training", on_event=_say,
+    return run(
+        source=args.source, images=images, image_size=args.image_size,
+        short_side=args.short_side, batch_size=batch_size, workers=args.workers,
+        epochs=epochs, rows=rows.split(",") if rows else None, workdir=workdir / part,
+        on_event=_say, **more,
     )  # fmt: skip
 
 
@@ -164,20 +172,10 @@ def _multicrop(args: argparse.Namespace, workdir: Path) -> MultiCropReport:
                               args.views.split(","))  # fmt: skip
     except ValueError:
         raise SystemExit(f"--views takes COUNTxSIZE,COUNTxSIZE, got {args.views!r}") from None
-    print(
-        f"multi-crop: {args.source or f'{args.multicrop_images} generated JPEGs'} at shorter "
-        f"side {args.short_side}, {gn} x {gs} + {ln} x {ls} views + flips, batch "
-        f"{args.multicrop_batch_size}, {args.workers} workers or threads",
-        flush=True,
-    )
-    return run_multicrop_bench(
-        source=args.source, images=args.multicrop_images, image_size=args.image_size,
-        short_side=args.short_side, batch_size=args.multicrop_batch_size,
-        workers=args.workers, epochs=args.multicrop_epochs, global_views=gn, global_size=gs,
-        local_views=ln, local_size=ls,
-        rows=args.multicrop_rows.split(",") if args.multicrop_rows else None,
-        workdir=workdir / "multicrop", on_event=_say,
-    )  # fmt: skip
+    views = f"{gn} x {gs} + {ln} x {ls} views + flips"
+    return _crops(args, workdir, "multicrop", "multi-crop", views, run_multicrop_bench,
+                  rows=args.multicrop_rows, global_views=gn, global_size=gs, local_views=ln,
+                  local_size=ls)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: _helpers
+
+from _helpers.common import add_checkpoint_options, add_run_options  # noqa: E402
 
 import mmcache  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
@@ -235,27 +238,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--images", type=int, default=1000, help="demo training images (default 1000)")
     p.add_argument("--workdir", default="train-work", help="images and caches (default train-work)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
-    p.add_argument("--batch-size", type=int, default=64, help="batch size (per rank; default 64)")
+    add_run_options(p, epochs=3, batch_size=64, lr=0.1,
+                    batch_help="batch size (per rank; default 64)")  # fmt: skip
     p.add_argument("--size", type=int, default=224, help="crop size (default 224; 112 is faster)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--seed", type=int, default=0, help="order, crops and initial weights")
-    p.add_argument("--checkpoint", help="save the run here (and resume from it with --resume)")
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="also save every STEPS steps (default: at each epoch's end only)",
-    )
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint, mid-epoch")
-    p.add_argument(
-        "--stop-after",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="stop after STEPS steps in all, as an interrupted run would",
-    )
+    add_checkpoint_options(p)
     p.add_argument("--json", help="write the last epoch's figures to this file")
     return p
 

@@ -29,6 +29,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: _helpers
+
+from _helpers.common import add_checkpoint_options, add_run_options  # noqa: E402
 
 import mmcache  # noqa: E402
 from mmcache.sample_data import make_detection_set, make_segmentation_set  # noqa: E402
@@ -85,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=240, help="their height (default 240)")
     p.add_argument("--classes", type=int, default=4, help="classes, with background (4)")
     p.add_argument("--size", type=int, default=128, help="crop size (default 128)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    p.add_argument("--checkpoint", help="save the run here (and resume from it with --resume)")
-    p.add_argument("--save-every", type=int, default=0, metavar="STEPS",
-                   help="also save every this many steps (default: at epoch ends)")  # fmt: skip
-    p.add_argument("--stop-after", type=int, default=0, metavar="STEPS",
-                   help="stop after this many steps (to try --resume)")  # fmt: skip
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint, mid-epoch")
+    add_run_options(p, epochs=3, batch_size=32, lr=0.05)
+    add_checkpoint_options(
+        p,
+        save_every="also save every this many steps (default: at epoch ends)",
+        stop_after="stop after this many steps (to try --resume)",
+        resume_last=True,
+    )
     p.add_argument("--json", help="write the last epoch's figures here")
     p.add_argument("--detection", action="store_true", help="show boxes through the loader")
     args = p.parse_args(argv)

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: _helpers
+
+from _helpers.common import add_checkpoint_options, add_run_options  # noqa: E402
 
 import mmcache  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
@@ -219,22 +222,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=200, help="demo images (default 200)")
     p.add_argument("--workdir", default="ssl-work", help="images and cache (default ssl-work)")
     p.add_argument("--short-side", type=int, default=256, help="stored shorter side (256)")
-    p.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    add_run_options(p, epochs=2, batch_size=32, lr=5e-4, optimizer="AdamW", lr_text="5e-4")
     p.add_argument("--global-views", type=int, default=2, help="global views (default 2)")
     p.add_argument("--global-size", type=int, default=224, help="their size (default 224)")
     p.add_argument("--local-views", type=int, default=6, help="local views (default 6)")
     p.add_argument("--local-size", type=int, default=96, help="their size (default 96)")
     p.add_argument("--out-dim", type=int, default=256, help="projection outputs (default 256)")
-    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
     p.add_argument("--momentum", type=float, default=0.996, help="teacher EMA (default 0.996)")
     p.add_argument("--seed", type=int, default=0, help="order, views, augmentations, weights")
-    p.add_argument("--checkpoint", help="save the run here (and resume from it with --resume)")
-    p.add_argument("--save-every", type=int, default=0, metavar="STEPS",
-                   help="also save every STEPS steps (default: at each epoch's end only)")
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint, mid-epoch")
-    p.add_argument("--stop-after", type=int, default=0, metavar="STEPS",
-                   help="stop after STEPS steps in all, as an interrupted run would")
+    add_checkpoint_options(p)
     p.add_argument("--json", help="write the last figures and a weights checksum to this file")
     return p
 

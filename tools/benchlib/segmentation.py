@@ -160,9 +160,6 @@ def segmentation_targets(report: SegmentationReport) -> list[Target]:
     return [
         Target("BatchLoader with masks / decode + joint crop in a DataLoader", masks / decode, 8.0),
         Target("BatchLoader with masks / without masks", masks / rate("batch_loader_plain"), 0.7),
-        Target(
-            "MemmapImageDataset with masks / decode + joint crop (DataLoaders)",
-            rate("mmcache_joint") / decode,
-            4.0,
-        ),
-    ]
+        Target("MemmapImageDataset with masks / decode + joint crop (DataLoaders)",
+               rate("mmcache_joint") / decode, 4.0),
+    ]  # fmt: skip
