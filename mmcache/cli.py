@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import io
 import json
 import logging
@@ -28,13 +29,20 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, cast
 
 from ._feedback import count, human_bytes
-from ._interpolation import RENAMED
 from ._version import __version__
 from ._writer import COMPACT_AT, DIST_TIMEOUT
 from .annotations import NO_MASK
 from .build import build_cache
-from .decode import DEFAULT_MAX_PIXELS, INTERPOLATIONS, TRUNCATED, parse_size
+from .decode import TRUNCATED
 from .errors import CacheError, DistributedBuildError
+from .options import (
+    OPTION_FLAGS,
+    SIZE_POLICIES,
+    OptionFlag,
+    Options,
+    height_width,
+    whole_number,
+)
 from .reports import BuildReport
 from .residency import DEFAULT_MAX_MEMORY
 from .scan import Listing, scan_source
@@ -116,22 +124,20 @@ def _notes_shown(quiet: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _size(text: str) -> tuple[int, int]:
-    """argparse type of ``--size``: the parse error's own words, not "invalid value"."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        hint = ""
-        if text.strip().isdigit():
-            n = text.strip()
-            hint = f"; for a square write {n}x{n}, to keep the aspect ratio use --short-side {n}"
-        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a library parser: its ValueError's own words, not "invalid value"."""
+
+    def argument(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return argument
 
 
-def _height_width(text: str) -> tuple[int, int]:
-    """argparse type of ``--image-size WxH``: the Python API's (height, width)."""
-    width, height = _size(text)
-    return height, width
+_height_width = _argument_type(height_width)  # demo's --image-size WxH, as --size reads it
+_positive = _argument_type(whole_number)
 
 
 def _positive_seconds(text: str) -> float:
@@ -142,16 +148,6 @@ def _positive_seconds(text: str) -> float:
         value = math.nan
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
 
 
@@ -177,86 +173,57 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _interpolation(text: str) -> str:
-    """argparse type of ``--interpolation``: the old OpenCV names still work, with a warning."""
-    if text in RENAMED:
-        print(
-            f"mmcache: warning: --interpolation {text} is now called {RENAMED[text]} (the same "
-            f"filter; {text} will stop working in the next major release)",
-            file=sys.stderr,
-        )
-        return RENAMED[text]
-    return text
+def _option_type(spec: OptionFlag) -> Callable[[str], Any]:
+    """argparse type of a preprocessing flag: the table's parser; an old name (interpolation's
+    OpenCV names) still works, with a warning."""
+    parse = _argument_type(spec.parse or str)
+
+    def argument(text: str) -> Any:
+        if text in spec.renamed:
+            new = spec.renamed[text]
+            print(
+                f"mmcache: warning: {spec.flag} {text} is now called {new} (the same "
+                f"filter; {text} will stop working in the next major release)",
+                file=sys.stderr,
+            )
+            return new
+        return parse(text)
+
+    return argument
+
+
+def _add_option(p: argparse.ArgumentParser | Any, spec: OptionFlag) -> None:
+    """``spec``'s flag, its value kept under the name of its ``Options`` field."""
+    assert spec.flag is not None
+    if spec.parse is None:  # a switch
+        p.add_argument(spec.flag, dest=spec.name, action="store_true", help=spec.help)
+        return
+    p.add_argument(
+        spec.flag,
+        dest=spec.name,
+        type=_option_type(spec),
+        choices=spec.choices,
+        default=_DEFAULTS[spec.name],
+        metavar=spec.metavar,
+        help=spec.help,
+    )
+
+
+# The preprocessing flags of build and plan; the mask's dtype is given beside --masks (build).
+_PREPROCESSING = [spec for spec in OPTION_FLAGS if spec.flag and spec.name != "mask"]
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}
 
 
 def _add_preprocessing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preprocessing (fixed at build time, recorded in the cache)")
     size = g.add_mutually_exclusive_group()
-    size.add_argument(
-        "--size", type=_size, metavar="WxH", help="resize to exactly WxH (width x height)"
-    )
-    size.add_argument(
-        "--max-side", type=_positive, metavar="N", help="shrink so the longer side is at most N"
-    )
-    size.add_argument(
-        "--short-side",
-        type=_positive,
-        metavar="N",
-        help="shrink so the shorter side is at most N",
-    )
-    g.add_argument(
-        "--interpolation",
-        type=_interpolation,
-        choices=INTERPOLATIONS,
-        default="auto",
-        help="resize filter, OpenCV's kernel of that name (default auto: area to shrink, "
-        "bilinear to enlarge)",
-    )
-    g.add_argument(
-        "--color",
-        choices=["rgb", "bgr", "gray"],
-        default="rgb",
-        help="channels stored: rgb (default), bgr (OpenCV's order) or gray (H x W x 1)",
-    )
-    g.add_argument(
-        "--max-pixels",
-        type=_positive,
-        default=DEFAULT_MAX_PIXELS,
-        metavar="N",
-        help=f"refuse larger images without decoding them (default {DEFAULT_MAX_PIXELS:,})",
-    )
-    g.add_argument(
-        "--pixels",
-        choices=["rgb", "yuv420"],
-        default="rgb",
-        help="record layout: rgb (default) or yuv420 (planar I420, half the bytes; read back "
-        "as RGB, see docs/pixels.md)",
-    )
-    g.add_argument(
-        "--reduced-decode",
-        action="store_true",
-        help="decode JPEGs shrunk 2x or more at 1/2, 1/4 or 1/8 scale: faster, pixels differ "
-        "slightly from the full decode (recorded in the cache)",
-    )
-    g.add_argument(
-        "--keep-truncated",
-        action="store_true",
-        help="keep JPEGs cut short, their missing part grey (default: skip them as truncated)",
-    )
+    for spec in _PREPROCESSING:
+        _add_option(size if spec.name in SIZE_POLICIES else g, spec)
 
 
-def _preprocessing_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "size": args.size and (args.size[1], args.size[0]),  # WxH -> Options' (height, width)
-        "max_side": args.max_side,
-        "short_side": args.short_side,
-        "interpolation": args.interpolation,
-        "color": args.color,
-        "max_pixels": args.max_pixels,
-        "reduced_decode": args.reduced_decode,
-        "pixels": args.pixels,
-        "keep_truncated": args.keep_truncated,
-    }
+def _preprocessing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``Options`` (``build_cache``, ``plan_cache``) the flags give."""
+    return {spec.name: getattr(args, spec.name) for spec in _PREPROCESSING}
 
 
 def _ignored_files(by_extension: dict[str, int], most: int = 5) -> str:
@@ -436,7 +403,7 @@ def _run_build(args: argparse.Namespace, rank: int, desc: str) -> int:
             coco=args.coco,
             **{name: getattr(args, name) for name in (*settings, "dist_timeout")},
             **_preprocessing_kwargs(args),
-            **({"mask": args.mask_dtype} if args.mask_dtype else {}),
+            **({"mask": args.mask} if args.mask else {}),
         )
     finally:
         if bar is not None:
@@ -588,7 +555,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         # build --dry-run --masks: records with masks (their bytes counted; not checked here)
         masked = getattr(args, "masks", None) is not None
-        mask = {"mask": args.mask_dtype or "uint8"} if masked else {}
+        mask = {"mask": args.mask or "uint8"} if masked else {}
         plan = plan_cache(
             _source(args), args.cache, progress=bar, **_preprocessing_kwargs(args), **mask
         )
@@ -929,12 +896,7 @@ def _add_build(cmds: _Commands) -> None:
         help="segmentation masks: a folder with a label map per image at the same relative "
         "path and stem (VOC, ADE20K), stored with each image and resized with it",
     )
-    b.add_argument(
-        "--mask-dtype",
-        choices=["uint8", "uint16"],
-        default=None,
-        help="how masks are stored (default uint8; uint16 for over 256 classes)",
-    )
+    _add_option(b, next(spec for spec in OPTION_FLAGS if spec.name == "mask"))
     b.add_argument(
         "--coco",
         metavar="JSON",
@@ -1058,7 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
-    if getattr(args, "mask_dtype", None) and not args.masks:
+    if getattr(args, "mask", None) and not args.masks:
         print("mmcache: error: --mask-dtype needs --masks MASKS", file=sys.stderr)
         return 2
     if getattr(args, "pixels", "rgb") != "rgb" and getattr(args, "color", None) == "gray":
