@@ -25,7 +25,6 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import cv2
@@ -33,11 +32,14 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._interpolation import NAMES, OPENCV, from_stored, interpolation_name, to_stored
+from ._interpolation import OPENCV
 from .annotations import mask_record
 from .errors import DecodeError
+from .options import COLORS, DEFAULT_MAX_PIXELS, INTERPOLATIONS, Options
 from .probe import declared_size, probe_size, sniff_format
 
+# COLORS, DEFAULT_MAX_PIXELS, INTERPOLATIONS and Options are defined in .options, with the
+# table of their flags; this module decodes with them, and its users have always found them here.
 __all__ = [
     "COLORS",
     "DEFAULT_MAX_PIXELS",
@@ -47,181 +49,8 @@ __all__ = [
     "decoder_versions",
 ]
 
-# Pillow's decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): 1024 * 1024 * 1024 // 4 // 3.
-DEFAULT_MAX_PIXELS = 89_478_485
-
-INTERPOLATIONS = ("auto", *NAMES)  # what ``Options.interpolation`` takes
-COLORS = ("rgb", "bgr", "gray")
 # The reason a build gives for a JPEG it skips as cut short (without ``keep_truncated``).
 TRUNCATED = fmt.BAD_REASONS[fmt.BAD_TRUNCATED]
-
-
-@dataclass(frozen=True)
-class Options:
-    """The preprocessing a cache applies, fixed at build time and recorded in its manifest.
-
-    At most one of ``size`` (exact ``(height, width)``, as torchvision's and the crops' sizes;
-    the command line's ``--size WxH`` gives width first), ``max_side`` and ``short_side`` (keep
-    the aspect ratio, never upscale) is set; none keeps the native size. ``interpolation``: the
-    crops' names (``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"``, ``"lanczos"``), each
-    OpenCV's kernel (``"bilinear"``: INTER_LINEAR, which does not antialias), or ``"auto"``:
-    INTER_AREA to shrink and INTER_LINEAR to enlarge; the old names ``"linear"`` and
-    ``"cubic"`` still work for one release, with a ``FutureWarning``. The manifest records
-    options as format 2.x manifests did (``size`` as ``[width, height]``, ``"linear"`` and
-    ``"cubic"``), so that caches keep their fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
-    ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
-    (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
-
-    ``reduced_decode`` (off by default, an explicit choice): a JPEG that shrinks by 2x or more is
-    decoded at 1/2, 1/4 or 1/8 scale in the DCT domain (OpenCV's ``IMREAD_REDUCED_*``), then
-    resized to the same output size. Faster to decode, but the pixels differ from the full decode
-    shrunk with INTER_AREA (docs/bench.md gives both, measured with ``tools/decoders.py``), so it
-    is recorded in the options and the cache's fingerprint.
-
-    ``pixels``: the record layout (``mmcache.pixels``): ``"rgb"`` (H x W x C) or ``"yuv420"``
-    (planar I420, BT.601 full range, half the bytes of RGB; readers still return RGB, or BGR
-    for ``color="bgr"``). ``"yuv420"`` needs colour: ``color="gray"`` is refused with it.
-    ``keep_truncated`` (off by default): a JPEG that ends before its image data does (a download
-    or copy cut short) decodes without error, the missing part grey, so by default it is refused
-    as ``"truncated"``; this keeps it, as its decoded pixels. Other formats cut short do not
-    decode at all.
-    ``mask``: the dtype each record's segmentation mask is stored in (``"uint8"`` or
-    ``"uint16"``), set by a build with masks (``masks=``); None: records carry no mask.
-    ``exif_orientation`` (on by default, as ``cv2.imread``): the EXIF orientation is applied;
-    off, the pixels are read as the file stores them (``cv2.IMREAD_IGNORE_ORIENTATION``), as
-    PIL and torchvision read them and as masks and boxes are drawn on them: a build with
-    masks or COCO boxes sets it off (recorded in the manifest's options as
-    ``"exif_orientation": false``), so that each annotation lines up with its pixels.
-    """
-
-    size: tuple[int, int] | None = None
-    max_side: int | None = None
-    short_side: int | None = None
-    interpolation: str = "auto"
-    color: str = "rgb"
-    max_pixels: int | None = DEFAULT_MAX_PIXELS
-    reduced_decode: bool = False
-    pixels: str = "rgb"
-    keep_truncated: bool = False
-    mask: str | None = None
-    exif_orientation: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_pixels is None:
-            object.__setattr__(self, "max_pixels", DEFAULT_MAX_PIXELS)
-        if sum(x is not None for x in (self.size, self.max_side, self.short_side)) > 1:
-            raise ValueError("choose at most one of size, max_side and short_side")
-        if isinstance(self.size, int | np.integer):  # a square? or the shorter side?
-            n = int(self.size)
-            raise TypeError(
-                f"size must be (height, width) of positive ints, got {n}: for a square write "
-                f"size=({n}, {n}), to keep the aspect ratio use short_side={n}"
-            )
-        if self.size is not None:
-            size = tuple(int(v) for v in self.size)
-            if len(size) != 2 or min(size) < 1:
-                raise ValueError(f"size must be (height, width) of positive ints, got {self.size}")
-            object.__setattr__(self, "size", size)
-        for name in ("max_side", "short_side", "max_pixels"):
-            v = getattr(self, name)
-            if v is not None and (int(v) != v or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        name = interpolation_name(self.interpolation, "Options", ("auto",), stacklevel=4)
-        object.__setattr__(self, "interpolation", name)
-        if self.color not in COLORS:
-            raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
-        px.check_layout(self.pixels)
-        px.check_mask(self.mask)
-        if self.pixels != "rgb" and self.color == "gray":
-            raise ValueError(
-                f"pixels={self.pixels!r} stores colour (luma and half-size chroma) and "
-                "color='gray' has none: build gray caches with the default pixels='rgb'"
-            )
-
-    @property
-    def channels(self) -> int:
-        return 1 if self.color == "gray" else 3
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        # Format 2.x's manifest form: [width, height], OpenCV's names (the fingerprint hashes it).
-        d["size"] = [self.size[1], self.size[0]] if self.size else None
-        d["interpolation"] = to_stored(self.interpolation)
-        # Caches made before these options existed keep their fingerprint (and format 2.x readers,
-        # which know no layouts, read an RGB cache's options as ever).
-        for name in ("reduced_decode", "keep_truncated"):
-            if not d[name]:
-                del d[name]
-        if self.pixels == "rgb":
-            del d["pixels"]
-        if self.mask is None:
-            del d["mask"]
-        if self.exif_orientation:
-            del d["exif_orientation"]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Options:
-        d = dict(d)
-        if d.get("size") is not None:
-            d["size"] = (d["size"][1], d["size"][0])
-        if "interpolation" in d:
-            d["interpolation"] = from_stored(d["interpolation"])
-        return cls(**d)
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
-
-    def flags(self) -> str:
-        """The command-line flags that give these options (``"--short-side 256 --color
-        gray"``); empty for the defaults."""
-        words = []
-        default = Options()
-        for name in ("size", "max_side", "short_side", "interpolation", "color", "max_pixels"):
-            value = getattr(self, name)
-            if value != getattr(default, name):
-                shown = f"{value[1]}x{value[0]}" if name == "size" else value  # WxH
-                words.append(f"--{name.replace('_', '-')} {shown}")
-        if self.reduced_decode:
-            words.append("--reduced-decode")
-        if self.pixels != "rgb":
-            words.append(f"--pixels {self.pixels}")
-        if self.keep_truncated:
-            words.append("--keep-truncated")
-        if self.mask not in (None, "uint8"):
-            words.append(f"--mask-dtype {self.mask}")
-        return " ".join(words)
-
-    def describe(self) -> str:
-        """``flags()``, or ``"the defaults (native size, RGB)"``: for messages."""
-        words = self.flags() or "the defaults (native size, RGB)"
-        # No flag of its own: --masks and --coco imply it.
-        return words if self.exif_orientation else words + ", EXIF orientation not applied"
-
-    def output_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """The stored (H, W, C) of an image whose decoded native size is ``height x width``."""
-        h, w = height, width
-        if self.size is not None:
-            h, w = self.size
-        elif self.max_side is not None and max(h, w) > self.max_side:
-            h, w = _scale_to(h, w, max(h, w), self.max_side)
-        elif self.short_side is not None and min(h, w) > self.short_side:
-            h, w = _scale_to(h, w, min(h, w), self.short_side)
-        return h, w, self.channels
-
-
-def _scale_to(h: int, w: int, side: int, target: int) -> tuple[int, int]:
-    # Integer rounding, so that planning from headers and resizing after decoding agree exactly.
-    return max(1, (h * target + side // 2) // side), max(1, (w * target + side // 2) // side)
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """``"224x160"`` -> ``(224, 160)``: (width, height), the text's order (``Options.size`` is
-    (height, width): the command line swaps them)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or min(int(m[1]), int(m[2])) < 1:
-        raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 224x224), got {text!r}")
-    return int(m[1]), int(m[2])
 
 
 def preprocess(

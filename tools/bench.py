@@ -55,7 +55,7 @@ __all__ = [
 
 def _size(text: str) -> tuple[int, int]:
     try:
-        return mmcache.decode.parse_size(text)
+        return mmcache.options.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mmcache import format as fmt  # noqa: E402
-from mmcache.decode import parse_size  # noqa: E402
+from mmcache.options import parse_size  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
 
 

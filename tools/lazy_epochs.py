@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from mmcache.dataset import MemmapImageDataset
-from mmcache.decode import parse_size
 from mmcache.demo import DecodingDataset, time_epochs
+from mmcache.options import parse_size
 from mmcache.sample_data import make_image_folder
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from mmcache import format as fmt  # noqa: E402
 from mmcache import verify_cache  # noqa: E402
-from mmcache.decode import parse_size  # noqa: E402
+from mmcache.options import parse_size  # noqa: E402
 from mmcache.sample_data import make_image_folder  # noqa: E402
 
 PAGE = 4096

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from mmcache import MemmapImageDataset, build_cache, verify_cache
-from mmcache.decode import parse_size
+from mmcache.options import parse_size
 from mmcache.sample_data import make_image_folder
 
 
