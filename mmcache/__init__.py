@@ -138,18 +138,6 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return getattr(importlib.import_module(f".{_TORCH_PARTS[name]}", __name__), name)
-    if name == "Records":  # left the public API for the private reader; one release of warning
-        import warnings
-
-        from ._records import Records
-
-        warnings.warn(
-            "mmcache.Records is deprecated and will be removed in the next release; use "
-            "dataset.reader.records",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return Records
     raise AttributeError(f"module 'mmcache' has no attribute {name!r}")
 
 
