@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type ch
     from .loader import BatchLoader
     from .sampler import QuasiRandomSampler
     from .transforms import (
-        CenterCrop,
         CenterResizedCrop,
         Compose,
         MultiCrop,
@@ -75,7 +74,6 @@ __all__ = [
     "CacheNotFoundError",
     "CachePlan",
     "CacheStaleError",
-    "CenterCrop",
     "CenterResizedCrop",
     "Compose",
     "CopyReport",
@@ -123,7 +121,6 @@ _TORCH_PARTS = {
     "BatchLoader": "loader",
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
-    "CenterCrop": "transforms",
     "CenterResizedCrop": "transforms",
     "Compose": "transforms",
     "MultiCrop": "transforms",
