@@ -51,6 +51,15 @@ def test_the_wheel_ships_py_typed(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     (wheel,) = tmp_path.glob("mmcache-*.whl")
     assert "mmcache/py.typed" in zipfile.ZipFile(wheel).namelist()
+    # pyproject.toml reads the version from mmcache/_version.py: the wheel's is __version__
+    assert wheel.name.startswith(f"mmcache-{mmcache.__version__}-")
+
+
+def test_the_version_is_written_once():
+    assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mmcache.__version__)
+    # the changelog starts from it (nothing was released before)
+    assert f"## {mmcache.__version__} " in (ROOT / "CHANGELOG.md").read_text()
 
 
 def test_the_removed_names_are_gone():
