@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type ch
     from .loader import BatchLoader
     from .sampler import QuasiRandomSampler
     from .transforms import (
-        CenterCrop,
         CenterResizedCrop,
         Compose,
         MultiCrop,
@@ -75,7 +74,6 @@ __all__ = [
     "CacheNotFoundError",
     "CachePlan",
     "CacheStaleError",
-    "CenterCrop",
     "CenterResizedCrop",
     "Compose",
     "CopyReport",
@@ -123,7 +121,6 @@ _TORCH_PARTS = {
     "BatchLoader": "loader",
     "MemmapImageDataset": "dataset",
     "QuasiRandomSampler": "sampler",
-    "CenterCrop": "transforms",
     "CenterResizedCrop": "transforms",
     "Compose": "transforms",
     "MultiCrop": "transforms",
@@ -138,18 +135,6 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return getattr(importlib.import_module(f".{_TORCH_PARTS[name]}", __name__), name)
-    if name == "Records":  # left the public API for the private reader; one release of warning
-        import warnings
-
-        from ._records import Records
-
-        warnings.warn(
-            "mmcache.Records is deprecated and will be removed in the next release; use "
-            "dataset.reader.records",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return Records
     raise AttributeError(f"module 'mmcache' has no attribute {name!r}")
 
 

@@ -203,10 +203,12 @@ class _Pool:
     def __init__(self, opts: Options) -> None:
         # forkserver: workers start from a clean process (no inherited threads or locks from
         # torch or OpenCV in the parent), and the server forks them quickly after the first.
-        self.ctx = multiprocessing.get_context("forkserver")
+        forkserver = multiprocessing.get_context("forkserver")
         # The server imports numpy, OpenCV and this module (a worker's imports) once, before
         # it forks the workers, with the parent's sys.path: so the same mmcache.
-        self.ctx.set_forkserver_preload(["numpy", "cv2", __name__])
+        forkserver.set_forkserver_preload(["numpy", "cv2", __name__])
+        # (either context: start_worker falls back to spawn)
+        self.ctx: multiprocessing.context.BaseContext = forkserver
         self.options = opts.to_json()
         self.data_path = ""
         self.workers: list[_Worker] = []

@@ -463,22 +463,3 @@ class MemmapImageDataset(Dataset):
     def manifest(self) -> fmt.Manifest:
         """The cache's manifest: its options, classes, source, sizes and generation."""
         return self.reader.manifest
-
-    # Moved to the reader (``dataset.reader``); kept one release, warning --------------------
-
-    def __getattr__(self, name: str) -> Any:
-        # Only names not found otherwise arrive here: the reader's methods and attributes that
-        # the dataset itself had before the reader existed.
-        if name in _MOVED_TO_READER:
-            warnings.warn(
-                f"MemmapImageDataset.{name} is deprecated and will be removed in the next "
-                f"release; use dataset.reader.{name}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(self.reader, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
-# What the dataset had before ``RecordReader`` took it over.
-_MOVED_TO_READER = ("records", "data_path", "filled", "mapping", "cut_short", "read_into")

@@ -426,17 +426,6 @@ class BatchLoader:
                             first, Scratch())  # fmt: skip
         return idx, boxes, flips
 
-    def plan(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Deprecated alias of ``draw_batch``, renamed because ``plan_cache`` and ``CachePlan``
-        mean a cache's size plan."""
-        warnings.warn(
-            "BatchLoader.plan() is deprecated and will be removed in the next release: call "
-            "draw_batch(), which returns the same",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.draw_batch(batch)
-
     def _rank(self) -> int:
         """This process's rank, which the draws of boxes and flips depend on, as its sampler's."""
         rank = getattr(self.sampler, "rank", None)

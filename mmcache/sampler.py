@@ -160,7 +160,7 @@ class QuasiRandomSampler(Sampler[int]):
         self.start = self._position = 0
         self._epoch_set = True
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Where this sampler is in its epoch, as plain JSON-serialisable data: the epoch, the
         seed, and the position in this epoch's order of the next index it yields.
         ``load_state_dict`` makes a new sampler go on from there. The dataset
@@ -170,19 +170,8 @@ class QuasiRandomSampler(Sampler[int]):
         for the batches it prefetches, so save its state with a loader that snapshots its
         sampler per batch (torchdata's ``StatefulDataLoader``), or with ``num_workers=0``.
         ``BatchLoader`` records its own position beside this state.
-
-        Args:
-            consumed: deprecated (it warns): the samples of this epoch training has taken,
-                recorded instead of the sampler's own position.
         """
-        if consumed is not None:
-            warnings.warn(
-                "QuasiRandomSampler.state_dict(consumed=...) is deprecated and will be removed "
-                "in the next release: state_dict() records the position the sampler reached",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        epoch, start = self.epoch, int(consumed) if consumed is not None else self._position
+        epoch, start = self.epoch, self._position
         if self._over and not self._epoch_set:
             epoch, start = epoch + 1, 0  # over: iterating again would start the next epoch
         return {

@@ -6,10 +6,9 @@ fits; then the fallback: the centre crop of the whole image clamped to ``ratio``
 ``CenterResizedCrop(size, ratio=224/256)`` resizes the centre square of ``ratio`` times the
 shorter side to ``size``, which on images stored at shorter side 256 is torchvision's
 ``Resize(256)`` + ``CenterCrop(224)`` (FFCV's ``CenterCropRGBImageDecoder`` means the same;
-torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing). ``CenterCrop`` is
-its old name, kept for one release with a ``FutureWarning``. ``RandomHorizontalFlip`` and
-``Compose`` complete the usual pipelines. ``MultiCrop`` gives several views of each image (the
-multi-crop of SimCLR and DINO), each with its own box and flip.
+torchvision's ``CenterCrop(224)`` alone cuts 224 pixels and resizes nothing).
+``RandomHorizontalFlip`` and ``Compose`` complete the usual pipelines. ``MultiCrop`` gives
+several views of each image (the multi-crop of SimCLR and DINO), each with its own box and flip.
 
 Each crop works two ways, with the same pixels for the same box: as a per-sample transform of
 ``MemmapImageDataset`` in a standard DataLoader (an H x W x C uint8 array in, ``size`` x C out;
@@ -75,7 +74,6 @@ from ._targets import PER_BOX_KEYS as PER_BOX_KEYS  # (named in the module docst
 from ._targets import flip_target, resized_target
 
 __all__ = [
-    "CenterCrop",
     "CenterResizedCrop",
     "Compose",
     "MultiCrop",
@@ -386,21 +384,6 @@ class CenterResizedCrop(_Crop):
         side = max(1, round(min(height, width) * self.ratio))
         # torchvision's centre: int(round((height - side) / 2)), likewise the left
         return round((height - side) / 2), round((width - side) / 2), side, side
-
-
-class CenterCrop(CenterResizedCrop):
-    """``CenterResizedCrop`` under its old name, which means a plain crop to torchvision users:
-    deprecated, it warns (``FutureWarning``) and goes in the next major release."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        warnings.warn(
-            "mmcache.CenterCrop is now CenterResizedCrop (it resizes the centre box of ratio x "
-            "the shorter side, where torchvision's CenterCrop cuts size pixels); the old name "
-            "will stop working in the next major release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        super().__init__(*args, **kwargs)
 
 
 class RandomHorizontalFlip:

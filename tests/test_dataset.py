@@ -333,26 +333,3 @@ def test_a_rebuilt_cache_is_not_mixed_into_an_open_dataset(cache, small_folder):
     assert ds[0][0].shape == (48, 64, 3)  # already open: keeps reading its generation
     with pytest.raises(CacheFormatError, match="rebuilt after this dataset was opened"):
         copy[0]
-
-
-def test_the_reader_s_names_on_the_dataset_are_deprecated_and_still_work(small_folder, tmp_path):
-    build_cache(small_folder, tmp_path / "c", workers=1)
-    ds = MemmapImageDataset(tmp_path / "c")
-    for name in ("records", "data_path", "filled", "mapping", "cut_short", "read_into"):
-        with pytest.warns(DeprecationWarning, match=rf"dataset.reader.{name}"):
-            moved = getattr(ds, name)
-        assert moved == getattr(ds.reader, name) or moved is getattr(ds.reader, name), name
-    with pytest.warns(DeprecationWarning):
-        assert len(ds.records.offsets) == len(ds) and ds.data_path == ds.reader.data_path
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        ds.nope  # noqa: B018
-
-
-def test_mmcache_records_is_deprecated_and_still_the_reader_s_type(small_folder, tmp_path):
-    import mmcache
-
-    build_cache(small_folder, tmp_path / "c", workers=1)
-    with pytest.warns(DeprecationWarning, match="dataset.reader.records"):
-        records_type = mmcache.Records
-    assert isinstance(MemmapImageDataset(tmp_path / "c").reader.records, records_type)
-    assert "Records" not in mmcache.__all__

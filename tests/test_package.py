@@ -4,6 +4,7 @@ in ``dir()``, the lazy torch names visible to type checkers, and ``py.typed`` in
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -50,6 +51,29 @@ def test_the_wheel_ships_py_typed(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     (wheel,) = tmp_path.glob("mmcache-*.whl")
     assert "mmcache/py.typed" in zipfile.ZipFile(wheel).namelist()
+    # pyproject.toml reads the version from mmcache/_version.py: the wheel's is __version__
+    assert wheel.name.startswith(f"mmcache-{mmcache.__version__}-")
+
+
+def test_the_version_is_written_once():
+    assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mmcache.__version__)
+    # the changelog starts from it (nothing was released before)
+    assert f"## {mmcache.__version__} " in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_removed_names_are_gone():
+    # The package was never released: names it once had went without deprecation shims.
+    from mmcache import BatchLoader, MemmapImageDataset, QuasiRandomSampler, transforms
+
+    for name in ("Records", "CenterCrop"):
+        assert name not in mmcache.__all__ and name not in dir(mmcache)
+        assert not hasattr(mmcache, name)
+    assert not hasattr(transforms, "CenterCrop") and "CenterCrop" not in transforms.__all__
+    assert not hasattr(BatchLoader, "plan")
+    # no __getattr__ handing the reader's names (records, data_path, ...) on
+    assert not hasattr(MemmapImageDataset, "__getattr__")
+    assert list(inspect.signature(QuasiRandomSampler.state_dict).parameters) == ["self"]
 
 
 def test_the_api_reference_shows_every_public_module_and_exported_name():

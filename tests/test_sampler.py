@@ -30,13 +30,6 @@ def test_state_dict_records_the_position_the_sampler_reached():
     assert resumed.state_dict()["start"] == 0
 
 
-def test_state_dict_consumed_is_deprecated_and_still_recorded():
-    s = QuasiRandomSampler(range(50), seed=3, block_size=4)
-    with pytest.warns(DeprecationWarning, match=r"state_dict\(consumed=\.\.\.\) is deprecated"):
-        state = s.state_dict(consumed=20)
-    assert state["start"] == 20
-
-
 def _order(n: int, **kw) -> list[int]:
     return list(QuasiRandomSampler(range(n), **kw))
 

@@ -8,7 +8,6 @@ import torch
 from torch.nn.functional import interpolate
 
 from mmcache import (
-    CenterCrop,
     CenterResizedCrop,
     Compose,
     RandomHorizontalFlip,
@@ -220,15 +219,6 @@ def test_targets_are_new_dicts_and_other_targets_pass_through():
     # a class index, or None, passes through untouched
     assert RandomResizedCrop(16)((img, 3))[1] == 3
     assert RandomHorizontalFlip(p=1.0)((img, None))[1] is None
-
-
-def test_the_deprecated_center_crop_moves_targets_too():
-    img, mask = class_image(np.random.default_rng(5))
-    with pytest.warns(FutureWarning):
-        old = CenterCrop(20)
-    out, target = old((img, {"mask": mask}))
-    new_out, new_target = CenterResizedCrop(20)((img, {"mask": mask}))
-    assert np.array_equal(out, new_out) and np.array_equal(target["mask"], new_target["mask"])
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "nearest"])

@@ -96,14 +96,6 @@ def test_the_batch_path_resizes_with_the_crop_s_interpolation(ds, interpolation,
         assert np.array_equal(images.numpy(), expected_batch(ds, loader, k)[0])
 
 
-def test_plan_is_a_deprecated_alias_of_draw_batch(ds):
-    loader = BatchLoader(ds, 8, shuffle=True, seed=1, crop=RandomResizedCrop(40), flip=True)
-    with pytest.warns(DeprecationWarning, match=r"plan\(\) is deprecated.*draw_batch"):
-        idx, boxes, flips = loader.plan(2)
-    want = loader.draw_batch(2)
-    assert all(np.array_equal(a, b) for a, b in zip((idx, boxes, flips), want, strict=True))
-
-
 def test_the_dataloader_transform_gives_the_batch_path_s_pixels(cache, ds):
     # A centre crop has one box per image: both paths must agree on its pixels exactly.
     crop = CenterResizedCrop(40)  # boxes of 44..70 pixels, resized down

@@ -260,22 +260,6 @@ def test_bicubic_is_torch_s_antialiased_bicubic():
     assert np.abs(out.astype(int) - reference).max() <= 1  # torchvision's float path, rounded
 
 
-def test_center_crop_is_the_deprecated_name_of_center_resized_crop():
-    import mmcache
-
-    img = _photo()
-    with pytest.warns(FutureWarning) as caught:
-        old = mmcache.CenterCrop(160, ratio=0.75)
-    # the whole message (its advice is the point of a deprecation)
-    assert str(caught[0].message) == (
-        "mmcache.CenterCrop is now CenterResizedCrop (it resizes the centre box of ratio x the "
-        "shorter side, where torchvision's CenterCrop cuts size pixels); the old name will "
-        "stop working in the next major release"
-    )
-    assert isinstance(old, CenterResizedCrop)
-    assert np.array_equal(old(img), CenterResizedCrop(160, ratio=0.75)(img))
-
-
 @pytest.mark.parametrize(("old", "new"), [("linear", "bilinear"), ("cubic", "bicubic")])
 def test_opencv_s_2x_interpolation_names_warn_and_keep_their_pixels(old, new):
     import cv2
