@@ -181,6 +181,7 @@ from ._checks import (
 )
 from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
+from .options import Options
 
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
@@ -446,6 +447,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
     _check_source(m["source"], mpath)
     _check_layout(m["options"], version, mpath)
+    _check_options(m["options"], mpath)
     for key in ("skipped", "warnings"):
         entries = m.get(key)
         expect(
@@ -726,6 +728,15 @@ def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path
         f"records carry masks of {mask!r}, which format {version[0]}.{version[1]} and this "
         "mmcache do not know; upgrade mmcache or rebuild the cache",
     )
+
+
+def _check_options(options: dict[str, Any], mpath: Path) -> None:
+    """The preprocessing options are ones this reader knows, of the types and ranges they can
+    have: every reader of the cache builds ``Options`` from them."""
+    try:
+        Options.from_json(options)
+    except (TypeError, ValueError) as e:
+        raise fail(mpath, f"options are not valid: {e}; rebuild the cache") from None
 
 
 def _is_entry(e: Any) -> bool:

@@ -145,6 +145,18 @@ class Options:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Options:
+        """The options a manifest records (``to_json``'s form).
+
+        Raises:
+            ValueError: ``d`` is not such a record (a damaged or forged manifest): an unknown
+                option, or a value of another type or range than ``to_json`` writes.
+        """
+        for name, value in d.items():
+            kind = _STORED_KINDS.get(name)
+            if kind is None:
+                raise ValueError(f"unknown option {name!r}")
+            if not kind(value):
+                raise ValueError(f"{name} {value!r} is not an option value")
         d = dict(d)
         if d.get("size") is not None:
             d["size"] = (d["size"][1], d["size"][0])
@@ -183,6 +195,40 @@ class Options:
         elif self.short_side is not None and min(h, w) > self.short_side:
             h, w = _scale_to(h, w, min(h, w), self.short_side)
         return h, w, self.channels
+
+
+def _positive_int(v: Any) -> bool:
+    return type(v) is int and v >= 1
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+# The JSON type of each option as ``to_json`` writes it (ranges and names are ``Options``' to
+# check): what ``from_json`` accepts from a manifest, so that a forged value is refused by name
+# rather than failing later with a KeyError or TypeError far from its cause.
+_STORED_KINDS: dict[str, Callable[[Any], bool]] = {
+    "size": _optional(lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive_int, v))),
+    "max_side": _optional(_positive_int),
+    "short_side": _optional(_positive_int),
+    "interpolation": _is_str,
+    "color": _is_str,
+    "max_pixels": _optional(_positive_int),
+    "reduced_decode": _is_bool,
+    "pixels": _is_str,
+    "keep_truncated": _is_bool,
+    "mask": _optional(_is_str),
+    "exif_orientation": _is_bool,
+}
 
 
 def _scale_to(h: int, w: int, side: int, target: int) -> tuple[int, int]:

@@ -69,6 +69,17 @@ MANIFESTS = [
      "records carry masks of 'float32'"),
     ("mask not a name", _set_option("mask", [8]), CacheFormatError,
      "records carry masks of [8]"),
+    ("size an object", _set_option("size", {"h": 2}), CacheFormatError,
+     "options are not valid: size"),
+    ("size empty", _set_option("size", []), CacheFormatError, "options are not valid: size"),
+    ("size negative", _set_option("size", [4, -1]), CacheFormatError,
+     "options are not valid: size"),
+    ("short side a string", _set_option("short_side", "64"), CacheFormatError,
+     "options are not valid: short_side"),
+    ("unknown option", _set_option("sharpen", 2), CacheFormatError,
+     "options are not valid: unknown option 'sharpen'"),
+    ("colour", _set_option("color", "sepia"), CacheFormatError,
+     "options are not valid: color"),
 ]  # fmt: skip
 
 
