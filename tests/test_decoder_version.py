@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import warnings
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import reseal, write_image
 
-from mmcache import CacheStaleError, MemmapImageDataset, StaleCacheWarning, build_cache, decode
+from mmcache import (
+    CacheStaleError,
+    MemmapImageDataset,
+    StaleCacheWarning,
+    build_cache,
+    decode,
+    plan_cache,
+)
 from mmcache import format as fmt
 from mmcache.cli import main
 from mmcache.decode import decoder_fingerprint, decoder_versions
@@ -109,3 +117,39 @@ def test_cli_trust_decoder(small_folder, foreign_cache, capsys):
     assert main(["build", str(small_folder), str(foreign_cache), "--trust-decoder"]) == 0
     out = capsys.readouterr().out
     assert "up to date" in out and "--trust-decoder, recorded" in out
+
+
+def test_the_reason_names_each_version_of_both_decoders(foreign_cache):
+    with pytest.raises(CacheStaleError) as e:
+        MemmapImageDataset(foreign_cache, on_stale="error")
+    here = ", ".join(f"{k} {v}" for k, v in sorted(decoder_versions().items()))
+    assert (
+        "it was decoded by jpeg libjpeg-turbo (ver 1.5.3-62), opencv 3.4.0, this machine "
+        f"decodes with {here} (`mmcache build --trust-decoder` keeps it as it is)"
+    ) in str(e.value)
+    _as_if_decoded_by(foreign_cache, {})
+    with pytest.raises(CacheStaleError, match="it was decoded by an unknown decoder, this"):
+        MemmapImageDataset(foreign_cache, on_stale="error")
+
+
+def test_the_plan_of_a_cache_of_another_decoder_is_a_rebuild_until_it_is_trusted(
+    small_folder, foreign_cache
+):
+    assert not plan_cache(small_folder, foreign_cache).up_to_date
+    build_cache(small_folder, foreign_cache, workers=1, trust_decoder=True)
+    assert plan_cache(small_folder, foreign_cache).up_to_date
+
+
+def test_the_trust_is_dated_and_carried_by_every_later_update(small_folder, foreign_cache):
+    build_cache(small_folder, foreign_cache, workers=1, trust_decoder=True)
+    recorded = datetime.fromisoformat(fmt.read_manifest(foreign_cache).extra["trusted_decoder"]
+                                      ["recorded"])  # fmt: skip
+    assert recorded.utcoffset() == timedelta(0)
+    assert abs(datetime.now(timezone.utc) - recorded) < timedelta(minutes=10)
+    # Two updates: the first writes this machine's decoder and names the other one as trusted
+    # (its records are kept), the second, whose cache is already this machine's, keeps that.
+    for n in range(2):
+        write_image(small_folder / "cat" / f"more_{n}.jpg", 20, 10, seed=90 + n)
+        report = build_cache(small_folder, foreign_cache, workers=1)
+        assert (report.decoded, report.reused) == (1, 12 + n)
+        assert fmt.read_manifest(foreign_cache).extra["trusted_decoder"]["versions"] == OTHER

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import tarfile
 import time
 
 import pytest
-from conftest import make_folder, write_image
+from conftest import make_folder, reseal, write_image
 
-from mmcache import MemmapImageDataset, StaleCacheWarning, build_cache, cache_info
+from mmcache import (
+    CacheStaleError,
+    MemmapImageDataset,
+    SourceChangedError,
+    StaleCacheWarning,
+    build_cache,
+    cache_info,
+    plan_cache,
+)
 from mmcache import format as fmt
 from mmcache.cli import main
 
@@ -108,3 +117,74 @@ def test_the_quick_check_sees_a_subfolder_added_two_levels_down(tmp_path):
     make_folder(src / "a", {"w": [(16, 16)]})
     with pytest.warns(StaleCacheWarning, match="1 added"):
         MemmapImageDataset(tmp_path / "cache")
+
+
+def _stale_message(cache) -> str:
+    with pytest.raises(CacheStaleError) as e:
+        MemmapImageDataset(cache, on_stale="error")
+    return str(e.value)
+
+
+def test_a_changed_source_is_summarised_with_a_skipped_file_as_it_was(tmp_path):
+    # A skipped file is compared by the size and mtime the manifest recorded for it, and its
+    # label (none) is not a relabelling: only the file added is news.
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    (src / "b" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    assert [s["path"] for s in fmt.read_manifest(cache).skipped] == ["b/broken.jpg"]
+    write_image(src / "a" / "new.jpg", 20, 16, seed=5)
+    message = _stale_message(cache)
+    assert message == (
+        f"{cache}: the cache is stale: the source changed: 1 added (a/new.jpg); it was built "
+        f"with the default options; `mmcache build {src} {cache}` updates it"
+    )
+
+
+def test_the_advice_of_a_stale_lazy_cache_repeats_its_options(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(40, 32)] * 2, "b": [(32, 40)] * 2})
+    cache = tmp_path / "cache"
+    MemmapImageDataset(cache, source=src, short_side=24)
+    write_image(src / "b" / "new.jpg", 40, 32, seed=6)
+    assert _stale_message(cache).endswith(
+        "the source changed: 1 added (b/new.jpg); it was made with --short-side 24; "
+        f"`mmcache build {src} {cache} --short-side 24` updates it"
+    )
+
+
+def test_a_cache_said_to_be_retried_is_never_current(tmp_path):
+    # A file that changed while it was decoded is skipped and marked so; the next build tries
+    # it again even when it reads as when it was listed (restored with its mtime).
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    (src / "b" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    assert build_cache(src, cache, workers=0).up_to_date
+    assert plan_cache(src, cache).up_to_date
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    m["skipped"][0]["state"] = fmt.BAD_SOURCE_CHANGED
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    reseal(cache)
+    assert not plan_cache(src, cache).up_to_date
+    assert not build_cache(src, cache, workers=0).up_to_date
+
+
+def test_a_lazy_cache_with_records_to_fill_is_not_what_a_build_would_leave(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    cache = tmp_path / "cache"
+    MemmapImageDataset(cache, source=src)
+    assert not plan_cache(src, cache).up_to_date  # a build would fill its four records
+    assert build_cache(src, cache, workers=0).decoded == 4
+    assert plan_cache(src, cache).up_to_date
+
+
+def test_a_build_from_another_list_file_names_both_lists(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    lines = "".join(f"{p},{p.parent.name}\n" for p in sorted(src.rglob("*.jpg")))
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    first.write_text(lines)
+    second.write_text(lines)
+    build_cache(first, tmp_path / "cache", workers=0)
+    names = f"made from {first}; this build's source is {second},"
+    with pytest.raises(SourceChangedError, match=names):
+        build_cache(second, tmp_path / "cache", workers=0)
