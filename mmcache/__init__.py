@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for IDEs and type ch
     from .transforms import (
         CenterResizedCrop,
         Compose,
+        Crop,
         MultiCrop,
         RandomHorizontalFlip,
         RandomResizedCrop,
@@ -77,6 +78,7 @@ __all__ = [
     "CenterResizedCrop",
     "Compose",
     "CopyReport",
+    "Crop",
     "DecodeError",
     "DecodeWorkerError",
     "DestinationError",
@@ -123,6 +125,7 @@ _TORCH_PARTS = {
     "QuasiRandomSampler": "sampler",
     "CenterResizedCrop": "transforms",
     "Compose": "transforms",
+    "Crop": "transforms",
     "MultiCrop": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",

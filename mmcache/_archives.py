@@ -831,7 +831,8 @@ class RecordedMembers:
     def ref(self, i: int) -> str:
         return self._finder.ref(self._names[i], int(self._sizes[i]), int(self._mtimes[i]))
 
-    def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
+    def probe(self, i: int, size: int, exif: bool = True) -> tuple[int, int] | None:
+        """As ``Members.probe`` (``size`` unused: ``ref`` checks the member's recorded size)."""
         ref = self.ref(i)
         if is_gone(ref):
             return None

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cv2
 import numpy as np
@@ -27,7 +27,10 @@ from . import pixels as px
 from ._opening import open_for_reading
 from ._records import RecordReader
 from ._targets import flip_target, resized_mask, resized_target
-from .transforms import DRAWS, resize_into
+from .transforms import DRAWS, Crop, resize_into
+
+if TYPE_CHECKING:  # (a type only: the loader hands it over, this module never makes one)
+    from .sampler import ReadAhead
 
 # An order with fewer steps forward by at most NEARBY records than this share is read as a
 # random one (see ``random_reader``); a sequential order (shuffle=False), or a rank's strided
@@ -258,7 +261,7 @@ class Job:
         read_ahead: the sampler's ``ReadAhead`` to tell how far the threads got, or None.
         fd: a descriptor of the data file advised for random reads, or -1 (see
             ``random_reader``).
-        crop: the crop (``boxes``, ``draws``, ``kernel``), or None.
+        crop: the crop (``transforms.Crop``: ``boxes``, ``draws``, ``kernel``), or None.
         flip: mirror each image with probability 1/2.
         draws: (seed, epoch, rank): the key of the boxes' and flips' uniform numbers.
         views: the crop of each view (several views of each record), or None; ``ring`` is
@@ -279,12 +282,12 @@ class Job:
     mapping: np.ndarray | None
     mapping_tensor: torch.Tensor | None
     mapped: bool
-    read_ahead: Any
+    read_ahead: ReadAhead | None
     fd: int
-    crop: Any
+    crop: Crop | None
     flip: bool
     draws: tuple[int, int, int]
-    views: list[Any] | None = None
+    views: list[Crop] | None = None
     view_rings: list[Ring] | None = None
     params: list[list[torch.Tensor]] | None = None
 
@@ -557,7 +560,7 @@ def uniforms(draws: tuple[int, ...], first: int, n: int, scratch: Scratch) -> np
 
 
 def draw(
-    crop: Any,
+    crop: Crop | None,
     flip: bool,
     draws: tuple[int, ...],
     shapes: np.ndarray,
@@ -565,13 +568,44 @@ def draw(
     scratch: Scratch,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The crop boxes and flips of the records of ``shapes`` at positions ``first ...`` of an
-    epoch (None for what is not asked)."""
+    epoch (None for what is not asked).
+
+    Raises:
+        ValueError: the crop gave boxes that are not one per record inside its image.
+    """
     if crop is None and not flip:
         return None, None
     numbers = uniforms(draws, first, len(shapes), scratch)
     flips = (numbers[:, -1] < 0.5) if flip else None
-    boxes = crop.boxes(shapes, numbers[:, : crop.draws]) if crop is not None else None
+    boxes = None
+    if crop is not None:
+        boxes = checked_boxes(crop, crop.boxes(shapes, numbers[:, : crop.draws]), shapes)
     return boxes, flips
+
+
+def checked_boxes(crop: Crop, boxes: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """``boxes`` as an N x 4 int64 array, if each is inside its record: a box past the edge
+    would be read from the bytes of the next record (or past the data file's end) without an
+    error, so a crop of one's own that gets one wrong is stopped here (a few array operations
+    a batch, whatever the crop)."""
+    found = np.asarray(boxes)
+    if found.shape != (len(shapes), 4) or not np.issubdtype(found.dtype, np.integer):
+        raise ValueError(
+            f"{crop!r}.boxes gave an array of {found.dtype} {found.shape} for {len(shapes)} "
+            "records: it must give an N x 4 int array (top, left, height, width)"
+        )
+    found = found.astype(np.int64, copy=False)
+    top, left, height, width = found.T
+    inside = (top >= 0) & (left >= 0) & (height >= 1) & (width >= 1)
+    inside &= (top + height <= shapes[:, 0]) & (left + width <= shapes[:, 1])
+    if not inside.all():
+        j = int(np.flatnonzero(~inside)[0])
+        raise ValueError(
+            f"{crop!r}.boxes gave the box (top, left, height, width) {found[j].tolist()} for "
+            f"an image of {int(shapes[j, 0])} x {int(shapes[j, 1])}: a box must lie inside its "
+            "image, at least 1 x 1"
+        )
+    return found
 
 
 class Record(NamedTuple):
@@ -616,6 +650,7 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
         elif box is None:
             copy_whole(job, mapped, record, images[j])
         else:
+            assert job.crop is not None  # a box is drawn by the crop
             top, left, box_height, box_width = box
             rows = box_rows(job, mapped, record, top, box_height, scratch)
             resize_into(rows[:, left : left + box_width], slot_images[j], *job.crop.kernel)
@@ -757,7 +792,9 @@ def planar_views(
         y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
     for box, out, crop in zip(boxes, outs, job.views):
 
-        def resize(src: np.ndarray, dst: np.ndarray, kernel: Any = crop.kernel) -> None:
+        def resize(
+            src: np.ndarray, dst: np.ndarray, kernel: tuple[str, bool] = crop.kernel
+        ) -> None:
             resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
 
         px.crop_into(y, cb, cr, box, shape, out.numpy(), resize, scratch.take, job.reader.color,
@@ -808,6 +845,7 @@ def fill_planar(
     if box is None:
         px.convert(y, cb, cr, job.reader.color, out)
         return
+    assert job.crop is not None  # a box is drawn by the crop
     kernel = job.crop.kernel
 
     def resize(src: np.ndarray, dst: np.ndarray) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from ._archives import RecordedMembers
 from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
 from .scan import Listing, diff_listings, scan_within, source_exists
@@ -133,6 +134,8 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
     """
     if listing.annotations is not None:
         return None  # masks and a COCO file lie outside the source: the full check sees them
+    if isinstance(listing.members, RecordedMembers):
+        return None  # a cache's own records, not a listing: no archive's stats were taken
     if listing.members is not None:
         archives = listing.members.archives
         return {"archives": {a: list(st) for a, st in zip(archives, listing.members.stats)}}

@@ -57,8 +57,8 @@ from ._feedback import count
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError, StateMismatchError
 from .residency import memory
-from .sampler import check_resume, dataset_identity, order_identity
-from .transforms import expand_views
+from .sampler import ReadAhead, check_resume, dataset_identity, order_identity
+from .transforms import Crop, check_draws, expand_views
 
 __all__ = ["BatchLoader"]
 
@@ -126,10 +126,11 @@ class BatchLoader:
             it cut short is read with ``pread``); only a truncation while a batch is being
             copied, after its check, still ends the process with SIGBUS, which ``"pread"``
             never does.
-        crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterResizedCrop``: every record, of any
-            shape, is cropped and resized to ``crop.size``. Set ``crop.size`` between epochs to
-            change the output size (progressive resizing); the buffers follow. An iteration
-            whose crops upscale stored images (smaller than the output) warns, once per size
+        crop: ``mmcache.RandomResizedCrop`` or ``mmcache.CenterResizedCrop`` (or a crop of
+            one's own: any ``mmcache.Crop``): every record, of any shape, is cropped and
+            resized to ``crop.size``. Set ``crop.size`` between epochs to change the output
+            size (progressive resizing); the buffers follow. An iteration whose crops (mmcache's)
+            upscale stored images (smaller than the output) warns, once per size
             (``MemmapImageDataset.warn_if_upscaling``).
         flip: mirror each image left to right with probability 1/2 (drawn like the boxes).
         normalize: ``(mean, std)`` per channel, on the 0..1 scale (ImageNet's are
@@ -187,12 +188,12 @@ class BatchLoader:
         prefetch: int = 2,
         seed: int | None = None,
         read: str = "auto",
-        crop: Any = None,
+        crop: Crop | None = None,
         flip: bool = False,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         dtype: torch.dtype | None = None,
         channels_last: bool = False,
-        views: Sequence[tuple[Any, int]] | None = None,
+        views: Sequence[tuple[Crop, int]] | None = None,
         return_params: bool = False,
     ) -> None:
         check_dataset(dataset)
@@ -214,10 +215,12 @@ class BatchLoader:
                 "BatchLoader yields the stored pixels and labels: open the dataset without "
                 "transform/target_transform; crop with crop=, and transform the batches"
             )
-        if crop is not None and not all(hasattr(crop, a) for a in ("boxes", "size", "draws")):
+        if crop is not None and not isinstance(crop, Crop):
             raise ValueError(
                 f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}"
             )
+        if crop is not None:
+            check_draws(crop)
         if views is not None and crop is not None:
             raise ValueError("pass crop= or views=, not both (one crop is views=[(crop, 1)])")
         if views is not None and dataset.reader.annotated:
@@ -391,10 +394,10 @@ class BatchLoader:
         if self.seed is None:
             self._iteration_seed = state["seed"]
         if state.get("size") is not None and self.crop is not None:
-            self.crop.size = tuple(state["size"])
+            self.crop.size = _pair(state["size"])
         if state.get("view_sizes") is not None and self.views is not None:
             for (crop, _), size in zip(self.views, state["view_sizes"]):
-                crop.size = tuple(size)
+                crop.size = _pair(size)
         self._start = self._done = int(state["batches"])
 
     def draw_batch(self, batch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -434,7 +437,7 @@ class BatchLoader:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return int(rank)
 
-    def _order(self, seed: int) -> tuple[np.ndarray, Any]:
+    def _order(self, seed: int) -> tuple[np.ndarray, ReadAhead | None]:
         """This iteration's order, and the sampler's read-ahead to drive (or None).
 
         A sampler with ``take_epoch`` (``QuasiRandomSampler``) gives its order at once and a
@@ -548,7 +551,7 @@ class BatchLoader:
     def _taken(self, batches: int, over: bool) -> None:
         self._done, self._over = batches, over
 
-    def _job(self, order: np.ndarray, read_ahead: Any, seed: int) -> Job:
+    def _job(self, order: np.ndarray, read_ahead: ReadAhead | None, seed: int) -> Job:
         """What the filling threads of an iteration over ``order`` read."""
         reader = self.dataset.reader
         # A data file cut short already: this iteration reads with pread (see _batches.fill).
@@ -580,6 +583,12 @@ class BatchLoader:
             view_rings=rings,
             params=self._params if self.return_params else None,
         )
+
+
+def _pair(size: Sequence[int]) -> tuple[int, int]:
+    """A size as a state dict holds it (a list, from JSON too), as a crop's ``size``."""
+    height, width = size
+    return int(height), int(width)
 
 
 def check_dataset(dataset: Any) -> None:

@@ -28,7 +28,6 @@ import re
 import stat as stat_mod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -71,8 +70,9 @@ class Listing:
     warnings: list[dict[str, str]] = field(default_factory=list)
     # What the images are paired with (masks, boxes, arrays): ``annotations.annotate``.
     annotations: Annotations | None = None
-    # An archive source's members: where each path's bytes lie (``mmcache._archives``).
-    members: Any = None
+    # An archive source's members: where each path's bytes lie, as listed (``Members``) or,
+    # for a cache's records, found again on first use (``RecordedMembers``); None for files.
+    members: _archives.Members | _archives.RecordedMembers | None = None
     # More keys of the manifest's ``source`` (an archive's shard pattern, its label key).
     source_extra: dict[str, str] = field(default_factory=dict)
 

@@ -62,7 +62,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import cv2
 import numpy as np
@@ -76,6 +76,7 @@ from ._targets import flip_target, resized_target
 __all__ = [
     "CenterResizedCrop",
     "Compose",
+    "Crop",
     "MultiCrop",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
@@ -87,6 +88,43 @@ TRIES = 10
 # Uniform numbers one sample's box and flip are drawn from: an area and a ratio per try, the
 # two corners' positions, and the flip.
 DRAWS = 2 * TRIES + 3
+# Those a crop's box may take: all but the flip's (the last).
+MAX_DRAWS = DRAWS - 1
+
+
+@runtime_checkable
+class Crop(Protocol):
+    """What ``BatchLoader(crop=...)`` and ``BatchLoader(views=...)`` need of a crop: the one
+    definition of a crop, which the loader checks with ``isinstance`` (members present).
+
+    ``RandomResizedCrop`` and ``CenterResizedCrop`` are crops; a class of one's own with these
+    four members is one too, inheriting from nothing (docs/architecture.md, "Adding a crop").
+    The loader draws each sample's ``draws`` uniform numbers from its seed, the epoch and the
+    sample's position (so a seeded run's boxes repeat), asks ``boxes`` for a batch's boxes,
+    and resizes each box of the stored record into its slot with ``kernel``; it mirrors with
+    ``flip=`` itself. ``MemmapImageDataset(transform=...)`` and ``MultiCrop`` need more
+    (a box drawn per image from torch's generator, the crop of an array): mmcache's crops only.
+
+    Attributes:
+        size: the output ``(height, width)``; the loader sets it on ``load_state_dict``, and
+            a new value between epochs changes the batches' shape (progressive resizing).
+        draws: how many uniform numbers in [0, 1) each box takes, 0 to ``MAX_DRAWS`` (22);
+            0 for a crop that draws nothing (a fixed box).
+        kernel: ``(interpolation, antialias)``, as ``resize_into`` takes them
+            (``("bilinear", True)`` is torchvision's resize).
+    """
+
+    size: tuple[int, int]
+    draws: int
+
+    @property
+    def kernel(self) -> tuple[str, bool]: ...
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        """The box ``(top, left, height, width)`` of each of N images of ``shapes`` (rows of
+        height, width, ...) from the rows of ``uniforms`` (N x ``draws`` floats in [0, 1)):
+        an N x 4 int array, each box inside its image and at least 1 x 1."""
+        ...
 
 
 def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
@@ -146,7 +184,8 @@ def _upscale_cause(small: np.ndarray, needed: int, cache: UpscaleCause | None) -
 
 
 class _Crop:
-    """What the crops share: an output size (settable between epochs) and an interpolation."""
+    """What the crops share: an output size (settable between epochs) and an interpolation.
+    Each is a ``Crop`` (what ``BatchLoader`` needs), and a per-sample transform besides."""
 
     draws = 0  # uniform numbers a box takes (a deterministic crop takes none)
 
@@ -468,27 +507,45 @@ def _image(img: Any) -> np.ndarray:
 PARAMS = ("top", "left", "height", "width", "flip")
 
 
-def expand_views(views: Sequence[tuple[Any, int]]) -> list[Any]:
+def expand_views(views: Sequence[tuple[Crop, int]]) -> list[Crop]:
     """The crop of each view of ``[(crop, count), ...]``, counts expanded (a crop given with
     count 2 is the crop of two views: setting its ``size`` resizes both).
 
     Raises:
-        ValueError: no views, a count under 1, or a crop that is not one of this module's.
+        ValueError: no views, a count under 1, or a crop that is not a ``Crop``.
     """
-    crops: list[Any] = []
+    crops: list[Crop] = []
     for item in views:
         if not isinstance(item, tuple | list) or len(item) != 2:
             raise ValueError(f"views must be (crop, count) pairs, got {item!r}")
         crop, n = item
-        if not isinstance(crop, _Crop) or not isinstance(n, int | np.integer) or n < 1:
+        if not isinstance(crop, Crop) or not isinstance(n, int | np.integer) or n < 1:
             raise ValueError(
                 "views must be (crop, count) pairs of mmcache.RandomResizedCrop or "
                 f"CenterResizedCrop and a count >= 1, got {item!r}"
             )
+        check_draws(crop)
         crops += [crop] * int(n)
     if not crops:
         raise ValueError("views must name at least one (crop, count) pair")
     return crops
+
+
+def check_draws(crop: Crop) -> None:
+    """Refuse a crop whose boxes would take more uniform numbers than a sample has: the
+    loader would hand it fewer columns than it asked for, silently.
+
+    Raises:
+        ValueError: ``crop.draws`` is not an int from 0 to ``MAX_DRAWS``.
+    """
+    draws = crop.draws
+    if isinstance(draws, bool) or not isinstance(draws, int | np.integer):
+        draws = -1  # (refused below, as out of range)
+    if not 0 <= draws <= MAX_DRAWS:
+        raise ValueError(
+            f"{type(crop).__name__}.draws must be an int from 0 to {MAX_DRAWS} (the uniform "
+            f"numbers BatchLoader draws for each box), got {crop.draws!r}"
+        )
 
 
 class MultiCrop:
@@ -514,9 +571,21 @@ class MultiCrop:
     """
 
     def __init__(
-        self, views: Sequence[tuple[Any, int]], flip: bool = True, return_params: bool = False
+        self,
+        views: Sequence[tuple[RandomResizedCrop | CenterResizedCrop, int]],
+        flip: bool = True,
+        return_params: bool = False,
     ) -> None:
-        self.crops = expand_views(views)  # checks them
+        crops = expand_views(views)  # checks them
+        # A per-sample transform draws each box from torch's generator and warns per image
+        # (``draw``): mmcache's crops do; a Crop of one's own has only what BatchLoader needs.
+        self.crops = [crop for crop in crops if isinstance(crop, _Crop)]
+        if len(self.crops) != len(crops):
+            other = next(crop for crop in crops if not isinstance(crop, _Crop))
+            raise ValueError(
+                "MultiCrop's views must be mmcache.RandomResizedCrop or CenterResizedCrop "
+                f"(BatchLoader(views=...) takes any mmcache.Crop), got {other!r}"
+            )
         self.views = [(crop, int(n)) for crop, n in views]
         self.flip, self.return_params = bool(flip), bool(return_params)
 
@@ -564,9 +633,10 @@ class MultiCrop:
         return views
 
 
-def crops_in(transform: Any) -> list[Any]:
+def crops_in(transform: object) -> list[_Crop]:
     """This module's crops that ``transform`` applies: itself, those of a ``Compose`` (nested
-    too), a ``MultiCrop``'s views."""
+    too), a ``MultiCrop``'s views. Not any ``Crop``: these are the ones with an upscale
+    warning (``warn_if_upscaling``), which a crop of one's own need not have."""
     if isinstance(transform, _Crop):
         return [transform]
     if isinstance(transform, MultiCrop):
@@ -576,10 +646,13 @@ def crops_in(transform: Any) -> list[Any]:
     return []
 
 
-def leading_crop(transform: Any) -> tuple[Any, Callable[[Any], Any] | None]:
+def leading_crop(
+    transform: Callable[[Any], Any] | None,
+) -> tuple[_Crop | None, Callable[[Any], Any] | None]:
     """``(crop, the rest)`` when ``transform`` is, or is a ``Compose`` beginning with, one of
     this module's crops, else ``(None, transform)``: a dataset of I420 records then converts
-    only the crop's box (``crop_planes``), not the whole image."""
+    only the crop's box (``crop_planes``), not the whole image. Not any ``Crop``: a per-sample
+    crop of planes needs this module's ``draw``, ``crop_planes`` and ``crop_target``."""
     if isinstance(transform, _Crop):
         return transform, None
     if isinstance(transform, Compose) and transform.transforms:

@@ -418,3 +418,22 @@ def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form)
     damaged = r"^t\.tar: .* a damaged header at byte 1,536, after 2 members\. Nothing"
     with open(path, "rb") as raw, pytest.raises(SourceError, match=damaged):
         list(read_by_tarfile(raw, 1536, len(inner), "t.tar"))
+
+
+def test_a_cache_s_recorded_members_probe_as_the_listed_ones(tmp_path, src):
+    # Both kinds of a Listing's ``members`` are called ``probe(i, size, exif)``; the recorded
+    # ones (repair's listing) once took no size, and a repair that probed one failed.
+    from mmcache._archives import RecordedMembers
+    from mmcache.scan import IMAGE_EXTENSIONS
+
+    tar = tar_of(src, tmp_path / "train.tar")
+    build_cache(tar, tmp_path / "cache", workers=0)
+    files = fmt.read_cache_files(fmt.read_manifest(tmp_path / "cache"))
+    listing = scan_source(tar)
+    assert listing.members is not None and listing.paths == files.paths()
+    sizes, mtimes = (files.index[k].astype(np.int64) for k in ("source_size", "source_mtime_ns"))
+    paths = files.paths()
+    recorded = RecordedMembers(files.manifest.source, IMAGE_EXTENSIONS, paths, sizes, mtimes)
+    for i in range(len(listing)):
+        size = int(listing.sizes[i])
+        assert recorded.probe(i, size, True) == listing.members.probe(i, size, True) is not None
