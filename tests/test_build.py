@@ -46,7 +46,7 @@ def test_build_report_and_files(small_folder, tmp_path):
     assert (report.images, report.classes, report.decoded) == (12, 3, 12)
     assert report.skipped == [] and not report.up_to_date
     m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    assert m["magic"] == "mmcache" and m["format_version"] == list(fmt.RGB_FORMAT_VERSION)
+    assert m["magic"] == "mmcache" and m["format_version"] == list(fmt.FORMAT_VERSION)
     assert m["classes"] == ["cat", "dog", "emu"] and m["count"] == 12
     assert set(os.listdir(tmp_path / "cache")) == {"manifest.json", "lock", *m["files"].values()}
     assert report.bytes == m["sizes"]["data"]
