@@ -185,7 +185,7 @@ def test_info_cli_text_and_json(small_folder, tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["images"] == 12 and d["fixed_size"] is True and d["min_size"] == [24, 32, 3]
     assert d["format_version"] == list(fmt.FORMAT_VERSION) and d["stale"] is None
-    assert d["options"]["size"] == [32, 24]
+    assert d["options"]["size"] == [24, 32]
     assert d["resident_share"] == d["resident_bytes"] / d["data_bytes"]
     assert {"disk_bytes", "apparent_bytes", "ram_total", "ram_available", "skipped"} <= set(d)
 
