@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ._fields import field_row_dtype
 from ._files import cut_data_file, fsync_dir
 from ._filler import scrub_lost_fills
 from ._opening import (
@@ -47,7 +48,6 @@ from .format import (
     CacheFiles,
     Manifest,
     dtype_descr,
-    field_row_dtype,
     file_name,
     is_cache_file_name,
     is_fill_marker_name,

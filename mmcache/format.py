@@ -161,6 +161,7 @@ import numpy as np
 
 from . import pixels as px
 from ._checks import (
+    check_names,
     check_relative_path,
     expect,
     expect_written,
@@ -172,6 +173,7 @@ from ._checks import (
     read_exactly,
     validate_paths,
 )
+from ._fields import FIELD_DTYPES, check_fields, read_fields
 from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
 from .options import Options
@@ -199,12 +201,6 @@ LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
 # The side file of a cache with fields.
 FIELDS_KIND = "fields"
-# The dtypes a field may have: little-endian integers and floats.
-FIELD_DTYPES = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f4", "<f8")
-# Bounds on a field's description: its name, its dimensions, the values of one row.
-MAX_FIELD_NAME = 64
-MAX_FIELD_DIMS = 4
-MAX_ROW_VALUES = 1 << 20
 # The files of processes filling a lazy cache (see the spec).
 FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
@@ -415,7 +411,8 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     m = _load_manifest_json(folder, mpath)
     version = _check_version(m, folder, mpath)
     requires = _check_requires(m.get("requires"), mpath)
-    checksums = _check_manifest_checksum(m, mpath, FIELDS_KIND in (m.get("files") or {}))
+    files: Any = m.get("files")
+    checksums = _check_manifest_checksum(m, mpath, isinstance(files, dict) and FIELDS_KIND in files)
     # Values from the file: Any until each is checked.
     gen: Any = m.get("generation")
     expect(isinstance(gen, str) and len(gen) == 16 and is_hex(gen), mpath, "bad generation id")
@@ -423,11 +420,12 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     expect(is_int(count, 0, 1 << 40), mpath, f"bad count {count!r}")
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the layout of the spec")
-    fields = _check_fields(m.get("fields", []), mpath)
+    fields = check_fields(m.get("fields", []), mpath, MAX_NAME)
     data_gen, sizes = _check_files(m, gen, count, mpath, bool(fields))
     mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
-    classes = _check_classes(m.get("classes"), count, mpath)
+    classes = check_names(m.get("classes"), mpath, MAX_NAME)
+    expect(count == 0 or bool(classes), mpath, "records but no classes")
     for key in ("source", "options", "fingerprints", "decoder"):
         expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
     _check_source(m["source"], mpath)
@@ -583,18 +581,6 @@ def _check_files(
     return data_gen, sizes
 
 
-def _check_classes(classes: Any, count: int, mpath: Path) -> list[str]:
-    """Distinct class names, at least one when there are records."""
-    expect(
-        isinstance(classes, list) and all(is_name(c, MAX_NAME) for c in classes),
-        mpath,
-        f"classes must be a list of non-empty strings without NUL, at most {MAX_NAME} long",
-    )
-    expect(len(set(classes)) == len(classes), mpath, "class names repeat")
-    expect(count == 0 or classes, mpath, "records but no classes")
-    return classes
-
-
 def _no_manifest(folder: Path) -> str:
     """Why a folder without a manifest holds no cache, from what it does hold."""
     try:
@@ -666,44 +652,6 @@ def _check_source(source: dict[str, Any], mpath: Path) -> None:
             mpath,
             f"source {key} must be a non-empty path without NUL, at most {MAX_PATH} long",
         )
-
-
-def _check_fields(fields: Any, mpath: Path) -> list[dict[str, Any]]:
-    """The descriptions of the ``fields`` file's arrays (see the spec)."""
-    expect(isinstance(fields, list), mpath, "fields must be a list")
-    names = set()
-    for f in fields:
-        expect(isinstance(f, dict) and set(f) <= {"name", "dtype", "shape", "classes"}, mpath,
-               "a field must be {name, dtype, shape[, classes]}")  # fmt: skip
-        name, shape = f.get("name"), f.get("shape")
-        expect(
-            isinstance(name, str)
-            and 0 < len(name) <= MAX_FIELD_NAME
-            and name.isascii()
-            and name.replace("_", "a").isalnum()
-            and name not in names,
-            mpath,
-            f"field name {name!r} is not unique letters, digits and _",
-        )
-        names.add(name)
-        expect(f.get("dtype") in FIELD_DTYPES, mpath, f"field {name}: unknown dtype")
-        expect(
-            isinstance(shape, list)
-            and 1 <= len(shape) <= MAX_FIELD_DIMS
-            and is_int(shape[0], -1, 1 << 20)
-            and all(is_int(v, 1, MAX_ROW_VALUES) for v in shape[1:])
-            and int(np.prod(shape[1:])) <= MAX_ROW_VALUES,
-            mpath,
-            f"field {name}: shape must be [rows or -1, *tail] of positive sizes",
-        )
-        if "classes" in f:
-            _check_classes(f["classes"], 0, mpath)
-    return fields
-
-
-def field_row_dtype(spec: dict[str, Any]) -> np.dtype:
-    """The dtype of one row of a field (``shape[1:]`` values of its ``dtype``)."""
-    return np.dtype((np.dtype(spec["dtype"]), tuple(spec["shape"][1:])))
 
 
 def _check_layout(options: dict[str, Any], mpath: Path) -> None:
@@ -823,40 +771,12 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     paths_blob = bytes(blobs["paths"])
     validate_records(manifest, index, state, paths_blob)
     fields_blob = bytes(blobs[FIELDS_KIND]) if manifest.fields else None
-    fields = read_fields(manifest, fields_blob) if fields_blob is not None else {}
+    fields = (
+        read_fields(manifest.fields, fields_blob, manifest.count, manifest.file(FIELDS_KIND))
+        if fields_blob is not None
+        else {}
+    )
     return CacheFiles(manifest, index, state, paths_blob, fields, fields_blob)
-
-
-def read_fields(manifest: Manifest, blob: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The arrays of a ``fields`` file's content, checked against the manifest's descriptions
-    (see the spec): row numbers in order and within the file, fixed counts, nothing left over.
-
-    Raises:
-        CacheFormatError: naming the field and what is wrong.
-    """
-    where, n = manifest.file(FIELDS_KIND), manifest.count
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    pos = 0
-    for spec in manifest.fields:
-        name = spec["name"]
-        row = field_row_dtype(spec)
-        expect(len(blob) - pos >= 8 * (n + 1), where, f"field {name}: cut short")
-        starts = np.frombuffer(blob, "<u8", n + 1, pos).astype(np.int64)
-        pos += 8 * (n + 1)
-        expect(starts[0] == 0 and bool((np.diff(starts) >= 0).all()), where,
-               f"field {name}: row numbers out of order")  # fmt: skip
-        total = int(starts[-1])
-        expect(total <= (len(blob) - pos) // max(row.itemsize, 1), where,
-               f"field {name}: more rows than the file holds")  # fmt: skip
-        rows_wanted = spec["shape"][0]
-        if rows_wanted >= 0:
-            wrong = np.diff(starts) != rows_wanted
-            first_bad(wrong, where, f"field {name}: not {rows_wanted} rows")
-        rows = np.frombuffer(blob, row.base, total * int(np.prod(row.shape or (1,))), pos)
-        out[name] = starts, rows.reshape(total, *row.shape)
-        pos += -(-total * row.itemsize // 8) * 8
-    expect(pos == len(blob), where, f"{len(blob) - pos} bytes more than its fields hold")
-    return out
 
 
 def validate_records(

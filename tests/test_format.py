@@ -203,6 +203,14 @@ def test_every_feature_combination_is_written_as_the_one_version(
     assert image.shape[2] == 3 and image.dtype == np.uint8
 
 
+def test_files_that_are_no_object_are_refused_not_a_type_error(cache):
+    m = _manifest(cache)
+    m["files"] = 3  # found by the manifest fuzz test: `"fields" in 3` raised TypeError
+    _write_manifest(cache, m)
+    with pytest.raises(CacheFormatError, match="checksum"):
+        fmt.read_manifest(cache)
+
+
 def test_an_edited_manifest_fails_its_checksum(cache):
     m = _manifest(cache)
     m["classes"] = ["b", "a"]  # well-formed, but not what was written
