@@ -223,10 +223,7 @@ def _annotations_fingerprint(listing: Listing) -> str | None:
 
 def rebuild_advice(m: fmt.Manifest) -> str:
     """What to run to bring cache ``m`` up to date, with the options it was made with."""
-    try:
-        flags = Options.from_json(m.options).flags()
-    except (TypeError, ValueError):
-        flags = ""
+    flags = Options.from_json(m.options).flags()  # (read_manifest checked them)
     how = "made" if m.mode == "lazy" else "built"
     paired = "".join(f" --{k} {m.source[k]}" for k in ("masks", "coco") if m.source.get(k))
     command = f"mmcache build {recorded_source(m)} {m.path}{paired}" + (

@@ -24,6 +24,7 @@ from mmcache import (
 )
 from mmcache import format as fmt
 from mmcache.cli import main
+from mmcache.sample_data import make_detection_set, make_segmentation_set
 
 LONG_AGO = time.time_ns() - 3600 * 10**9
 
@@ -188,3 +189,44 @@ def test_a_build_from_another_list_file_names_both_lists(tmp_path):
     names = f"made from {first}; this build's source is {second},"
     with pytest.raises(SourceChangedError, match=names):
         build_cache(second, tmp_path / "cache", workers=0)
+
+
+def test_a_skipped_file_recorded_without_its_stat_counts_as_modified(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    (src / "b" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    del m["skipped"][0]["size"], m["skipped"][0]["mtime_ns"]  # optional in the format
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    reseal(cache)
+    write_image(src / "a" / "new.jpg", 20, 16, seed=5)
+    assert "the source changed: 1 added (a/new.jpg); 1 modified (b/broken.jpg);" in (
+        _stale_message(cache)
+    )
+
+
+def test_a_relabelled_file_of_a_list_is_named(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(20, 16)] * 2, "b": [(16, 20)] * 2})
+    files = sorted(src.rglob("*.jpg"))
+    listed = tmp_path / "train.csv"
+    listed.write_text("".join(f"{p},{p.parent.name}\n" for p in files))
+    cache = tmp_path / "cache"
+    build_cache(listed, cache, workers=0)
+    listed.write_text("".join(f"{p},{'b' if p == files[0] else p.parent.name}\n" for p in files))
+    assert "the source changed: 1 relabeled (a/img_000.jpg);" in _stale_message(cache)
+
+
+def test_the_advice_of_a_stale_annotated_cache_names_its_masks_and_coco_file(tmp_path):
+    images, masks = make_segmentation_set(tmp_path / "voc", images=3, size=(24, 32))
+    build_cache(images, tmp_path / "voc_cache", masks=masks, workers=0)
+    coco_images, coco = make_detection_set(tmp_path / "coco", images=3, size=(24, 32))
+    build_cache(coco_images, tmp_path / "coco_cache", coco=coco, workers=0)
+    for folder in (images, coco_images):
+        min(p for p in folder.iterdir() if p.suffix != ".json").unlink()
+    assert _stale_message(tmp_path / "voc_cache").endswith(
+        f"`mmcache build {images} {tmp_path / 'voc_cache'} --masks {masks}` updates it"
+    )
+    assert _stale_message(tmp_path / "coco_cache").endswith(
+        f"`mmcache build {coco_images} {tmp_path / 'coco_cache'} --coco {coco}` updates it"
+    )
