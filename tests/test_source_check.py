@@ -10,6 +10,8 @@ import os
 import tarfile
 import time
 
+import cv2
+import numpy as np
 import pytest
 from conftest import make_folder, reseal, write_image
 
@@ -222,6 +224,13 @@ def test_the_advice_of_a_stale_annotated_cache_names_its_masks_and_coco_file(tmp
     build_cache(images, tmp_path / "voc_cache", masks=masks, workers=0)
     coco_images, coco = make_detection_set(tmp_path / "coco", images=3, size=(24, 32))
     build_cache(coco_images, tmp_path / "coco_cache", coco=coco, workers=0)
+    both = tmp_path / "both_masks"  # masks for the COCO images too: a cache with both
+    both.mkdir()
+    for image in coco_images.iterdir():
+        if image.suffix != ".json":
+            h, w = cv2.imread(str(image)).shape[:2]
+            cv2.imwrite(str(both / f"{image.stem}.png"), np.zeros((h, w), np.uint8))
+    build_cache(coco_images, tmp_path / "both_cache", masks=both, coco=coco, workers=0)
     for folder in (images, coco_images):
         min(p for p in folder.iterdir() if p.suffix != ".json").unlink()
     assert _stale_message(tmp_path / "voc_cache").endswith(
@@ -229,4 +238,7 @@ def test_the_advice_of_a_stale_annotated_cache_names_its_masks_and_coco_file(tmp
     )
     assert _stale_message(tmp_path / "coco_cache").endswith(
         f"`mmcache build {coco_images} {tmp_path / 'coco_cache'} --coco {coco}` updates it"
+    )
+    assert _stale_message(tmp_path / "both_cache").endswith(
+        f"{tmp_path / 'both_cache'} --masks {both} --coco {coco}` updates it"
     )
