@@ -10,6 +10,7 @@ import pytest
 from conftest import reference, write_image
 
 from mmcache import MemmapImageDataset, build_cache
+from mmcache import pixels as px
 
 
 def test_every_shared_testimage_matches_opencv(testimages, tmp_path):
@@ -187,3 +188,37 @@ def test_reduced_decode_picks_the_largest_factor_that_keeps_the_output_size(tmp_
         cv2.resize(half, (300, 200), interpolation=cv2.INTER_AREA), cv2.COLOR_BGR2RGB
     )
     assert np.array_equal(img, ref)
+
+
+# The record layouts' sizes, as docs/format.md specifies them ----------------------------------
+
+
+@pytest.mark.parametrize(("height", "width"), [(1, 1), (5, 7), (6, 8), (31, 17)])
+@pytest.mark.parametrize("mask", [None, "uint8", "uint16"])
+@pytest.mark.parametrize(("layout", "channels"), [("rgb", 3), ("rgb", 1), ("yuv420", 3)])
+def test_a_record_s_size_is_its_image_then_its_mask_at_the_next_multiple_of_8(
+    height, width, mask, layout, channels
+):
+    if layout == "rgb":
+        image = height * width * channels
+    else:  # full-size luma, then two chroma planes of half the size, rounded up
+        image = height * width + 2 * -(-height // 2) * -(-width // 2)
+    per_pixel = 2 if mask == "uint16" else 1
+    want = image if mask is None else -(-image // 8) * 8 + height * width * per_pixel
+    assert px.record_nbytes(height, width, channels, layout, mask) == want
+    if mask is not None:
+        dtype = px.masked_dtype(height, width, channels, layout, mask)
+        assert dtype.itemsize == want and dtype.fields["mask"][1] == -(-image // 8) * 8
+
+
+def test_the_layout_helpers_refuse_what_they_do_not_know_by_name():
+    with pytest.raises(ValueError, match=r"^unknown pixel layout 'bgr'$"):
+        px.record_nbytes(2, 2, 3, "bgr")
+    with pytest.raises(ValueError, match=r"^from_bgr makes yuv420 records, not 'rgb'$"):
+        px.from_bgr(np.zeros((2, 2, 3), np.uint8), "rgb")
+    with pytest.raises(ValueError, match=r"^mask must be one of uint8, uint16, got 'int8'$"):
+        px.check_mask("int8")
+    y, c = np.zeros((4, 6), np.uint8), np.zeros((2, 2), np.uint8)
+    fit = r"^chroma planes of \(2, 2\) do not fit a 4x6 luma plane$"
+    with pytest.raises(ValueError, match=fit):
+        px.convert(y, c, c)

@@ -295,6 +295,9 @@ def test_stacked_planes_convert_as_each_image_alone_on_numpy_and_torch():
         assert np.array_equal(on_torch[i, j], torch_alone)
         want = np.clip(_naive_rgb(*planes), 0, 255)
         assert np.abs(got[i, j].astype(float) - want).max() <= 2.5
+    # one leading axis: (3, 9, 13) planes
+    row = [np.stack([p[k] for p in singles[0]]) for k in range(3)]
+    assert np.array_equal(mmcache.yuv420_to_rgb(*row), got[0])
 
 
 def test_bgr_caches_read_back_as_bgr(src, tmp_path):
