@@ -645,7 +645,7 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
             return None
         record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
         box = boxes[j] if boxes is not None else None
-        if reader.pixels != "rgb":
+        if reader.layout.planar:
             fill_planar(job, mapped, record, box, images[j], scratch)
         elif box is None:
             copy_whole(job, mapped, record, images[j])
@@ -748,7 +748,7 @@ def fill_views(
             return None
         record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
         mine = [b[j] for b in boxes]
-        if reader.pixels != "rgb":
+        if reader.layout.planar:
             planar_views(job, mapped, record, mine, [out[j] for out in outs], scratch)
         else:
             top = min(box[0] for box in mine)

@@ -308,7 +308,8 @@ def version_for(manifest: Manifest) -> tuple[int, int]:
     """The format version ``manifest``'s cache is written as (see the spec)."""
     if manifest.annotated:
         return FORMAT_VERSION
-    return RGB_FORMAT_VERSION if manifest.pixels == "rgb" else LAYOUTS_FORMAT_VERSION
+    original = px.layout_named(manifest.pixels).original
+    return RGB_FORMAT_VERSION if original else LAYOUTS_FORMAT_VERSION
 
 
 def file_name(kind: str, generation: str) -> str:
@@ -710,13 +711,13 @@ def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path
     """The record layout is one this reader knows, and one the declared version allows."""
     layout = options.get("pixels", "rgb")
     expect(
-        layout in px.LAYOUTS,
+        px.known(layout),
         mpath,
         f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
         f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",
     )
     expect(
-        layout == "rgb" or version >= LAYOUTS_SINCE,
+        px.layout_named(layout).original or version >= LAYOUTS_SINCE,
         mpath,
         f"format version {version[0]}.{version[1]} cannot hold {layout!r} records (only "
         f"{LAYOUTS_SINCE[0]}.x can): the manifest was damaged or edited; rebuild the cache",
@@ -883,7 +884,7 @@ def validate_records(
     bad = (h < 1) | (h > MAX_SIDE) | (w < 1) | (w > MAX_SIDE) | (c < 1) | (c > MAX_CHANNELS)
     first_bad(bad, where, "height, width or channels out of range")
     layout = manifest.pixels
-    if layout != "rgb":
+    if px.layout_named(layout).colour_only:
         first_bad(c != 3, where, f"channels is not 3 in a {layout} cache")
     # <= 2**42 within the bounds: exact
     nbytes = record_nbytes(index, layout, manifest.mask).astype(np.uint64)
