@@ -5,8 +5,9 @@ iteration) and hands out the batches in order. Threads and consumer share a ``Sh
 one condition: a thread takes the next batch number, waits for the slot to be given back,
 copies (or crops and resizes) each record into the slot, and publishes a ``Batch``. An error
 raised in a thread is kept with the number of the batch it was filling and raised from the
-``next()`` that would have returned that batch. With several views (``Job.views``) each view has
-a ring of its own and the record is read once for all its views (``fill_views``).
+``next()`` that would have returned that batch. Every loader fills views (``Job.views``): one
+without ``views=`` (a crop, or each record whole), several with it, each with a ring of its own;
+a record is read once for all its views and written into them by its layout (``fill``).
 """
 
 from __future__ import annotations
@@ -184,12 +185,10 @@ class Ring:
             if buffers is not None:
                 renew(buffers, slot, self.pinned)
 
-    def output(self, slot: int, n: int) -> tuple[torch.Tensor, Any]:
-        """Slot ``slot``'s first ``n`` images and labels (or, from an annotated cache, their
-        ``target``) as the loader hands them out (CPU)."""
+    def output(self, slot: int, n: int) -> torch.Tensor:
+        """Slot ``slot``'s first ``n`` images as the loader hands them out (CPU)."""
         floats = self.floats[slot][:n] if self.floats is not None else None
-        images = output(self.images[slot][:n], self.normalize, self.channels_last, floats)
-        return images, self.target(slot, n)
+        return output(self.images[slot][:n], self.normalize, self.channels_last, floats)
 
     @property
     def annotated(self) -> bool:
@@ -239,6 +238,14 @@ def renew(buffers: list[torch.Tensor], slot: int, pinned: bool) -> None:
         )
 
 
+class View(NamedTuple):
+    """One output of every record: a ring of its own."""
+
+    crop: Crop | None  # None: each record copied whole (they all have the ring's shape)
+    ring: Ring
+    key: tuple[int, ...]  # of its boxes' and flips' numbers: (seed, epoch, rank[, view])
+
+
 @dataclass
 class Job:
     """What the filling threads of one iteration read (only ``fd`` changes: closed at the end).
@@ -250,23 +257,19 @@ class Job:
             more: the batch held and the one before it, which a ``for`` loop's variable still
             references while it asks for the next); CUDA: device batches ready and not yet
             taken, at most.
-        ring: the buffers (CPU: a slot per batch in flight; CUDA: a pinned slot per thread).
+        views: what each record is written into: one ``View`` (its crop, or None to copy
+            each record whole), or one per view with ``views=``.
+        listed: batches hand out a list of one batch per view (``views=``).
         device: where batches go.
         normalize: the normalisation of CUDA batches (CPU ones are normalised by the ring).
         channels_last: the memory format of the batches handed out.
         reader: the records.
         mapping: the data file's mapping, a flat uint8 array (None for an empty order).
-        mapping_tensor: the same memory as a tensor (crops resize views of it).
         mapped: copy records out of ``mapping`` (else read them with ``pread``).
         read_ahead: the sampler's ``ReadAhead`` to tell how far the threads got, or None.
         fd: a descriptor of the data file advised for random reads, or -1 (see
             ``random_reader``).
-        crop: the crop (``transforms.Crop``: ``boxes``, ``draws``, ``kernel``), or None.
         flip: mirror each image with probability 1/2.
-        draws: (seed, epoch, rank): the key of the boxes' and flips' uniform numbers.
-        views: the crop of each view (several views of each record), or None; ``ring`` is
-            then the first view's ring, which holds the labels.
-        view_rings: a ring per view (with ``views``).
         params: with ``views``, a list per slot of an N x 5 int64 buffer per view for its
             boxes and flips (``transforms.PARAMS``), or None.
     """
@@ -274,22 +277,23 @@ class Job:
     order: np.ndarray
     batch_size: int
     ahead: int
-    ring: Ring
+    views: list[View]
+    listed: bool
     device: torch.device
     normalize: Normalize | None
     channels_last: bool
     reader: RecordReader
     mapping: np.ndarray | None
-    mapping_tensor: torch.Tensor | None
     mapped: bool
     read_ahead: ReadAhead | None
     fd: int
-    crop: Crop | None
     flip: bool
-    draws: tuple[int, int, int]
-    views: list[Crop] | None = None
-    view_rings: list[Ring] | None = None
     params: list[list[torch.Tensor]] | None = None
+
+    @property
+    def ring(self) -> Ring:
+        """The first view's ring, which holds the labels and targets."""
+        return self.views[0].ring
 
     @property
     def count(self) -> int:
@@ -489,8 +493,8 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
                     return
             slot = thread_number if cuda else number % slots
             if not cuda:  # a batch the caller still holds keeps its buffers
-                for ring in job.view_rings or [job.ring]:
-                    ring.claim(slot)
+                for one in job.views:
+                    one.ring.claim(slot)
                 if job.params is not None:  # this slot's only: others are being filled
                     for view in range(len(job.params[slot])):
                         renew(job.params[slot], view, job.ring.pinned)
@@ -503,18 +507,12 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
             n = fill(job, slot, number, shared, scratch)
             if n is None:
                 return
-            images = job.ring.images[slot][:n]
-            if job.views is not None:
-                batch = views_batch(job, slot, n, stream)
-            elif cuda:
-                batch = to_device(job, images, job.ring.target(slot, n), stream)
-            else:
-                batch = Batch(*job.ring.output(slot, n), copied=None)
+            batch = batch_of(job, slot, n, stream)
             with shared.cond:
                 shared.ready[number] = batch
                 # Hold nothing of a batch once handed out (the consumer takes it under this
                 # lock): its slot's buffers count as in use while anything references them.
-                del batch, images
+                del batch
                 shared.cond.notify_all()
     except BaseException as e:  # handed to the consumer, which raises it from next()
         with shared.cond:
@@ -524,25 +522,16 @@ def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
 
 
 class Scratch:
-    """A filling thread's reusable buffers: rows read with pread, the uniform numbers of
-    boxes and flips, the planes of I420 crops."""
+    """A filling thread's reusable buffers, by name: rows read with pread, the uniform
+    numbers of boxes and flips, the planes of I420 crops."""
 
     def __init__(self) -> None:
-        self.rows = np.empty(0, np.uint8)
-        self.numbers = np.empty(0, np.uint8)
-        # I420 crops: the box's window of each plane (chroma upsampled), merged, the box
-        self.cr = np.empty(0, np.uint8)
-        self.cb = np.empty(0, np.uint8)
-        self.luma = np.empty(0, np.uint8)
-        self.box = np.empty(0, np.uint8)
-        self.ycc = np.empty(0, np.uint8)
-        self.mask = np.empty(0, np.uint8)  # a record's mask, read with pread
+        self.buffers: dict[str, np.ndarray] = {}
 
     def take(self, name: str, nbytes: int) -> np.ndarray:
-        buf = getattr(self, name)
-        if buf.size < nbytes:  # grows to the largest record once, then is reused
-            buf = np.empty(nbytes, np.uint8)
-            setattr(self, name, buf)
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < nbytes:  # grows to the largest record once, then reused
+            buf = self.buffers[name] = np.empty(nbytes, np.uint8)
         return buf[:nbytes]
 
 
@@ -618,7 +607,9 @@ class Record(NamedTuple):
 
 
 def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> int | None:
-    """Fill ring slot ``slot`` with batch ``number``; its count, or None if told to stop."""
+    """Fill ring slot ``slot`` of every view with batch ``number``: each view's boxes and
+    flips drawn under its own key, then each record read once (the rows all its boxes span)
+    and written into every view by its layout. Its count, or None if told to stop."""
     first = number * job.batch_size
     indices = job.order[first : first + job.batch_size]
     n = len(indices)
@@ -628,48 +619,81 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
     # cut short is read with pread, which raises the reader's CacheFormatError for the records
     # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
     mapped = job.mapped and not reader.cut_short()
-    slot_images = job.ring.images[slot]
-    images = slot_images.numpy()
     np.take(records.labels, indices, out=job.ring.labels[slot][:n].numpy())
-    if job.views is not None:
-        return fill_views(job, slot, first, indices, mapped, shared, scratch)
     filled = reader.filled(indices)
     offsets = records.offsets[indices].tolist()
     shapes = records.shapes[indices]
-    boxes, flips = draw(job.crop, job.flip, job.draws, shapes, first, scratch)
-    boxes = boxes.tolist() if boxes is not None else None
-    # One slice copy (or one resize) per record, each releasing the GIL (np.take over a
-    # strided 2-D view of the mapping was slower for records of a megabyte).
+    drawn = [draw(view.crop, job.flip, view.key, shapes, first, scratch) for view in job.views]
+    if job.params is not None:
+        for (drawn_boxes, flips), params in zip(drawn, job.params[slot]):
+            assert drawn_boxes is not None  # params are asked for with views, which all crop
+            params[:n, :4] = torch.from_numpy(drawn_boxes)
+            params[:n, 4] = torch.from_numpy(flips) if flips is not None else 0
+    # Without crops every record is copied whole (they share the ring's shape).
+    cropped = None
+    if job.views[0].crop is not None:
+        cropped = [b.tolist() for b, _ in drawn if b is not None]
+    outs = [view.ring.images[slot].numpy() for view in job.views]
+    resizes = [resizer(view.crop) for view in job.views]
+    layout, color, annotated = reader.layout, reader.color, job.ring.annotated
+    # One slice copy (or one resize) per record and view, each releasing the GIL (np.take over
+    # a strided 2-D view of the mapping was slower for records of a megabyte).
     for j, offset in enumerate(offsets):
         if shared.stop:
             return None
         record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
-        box = boxes[j] if boxes is not None else None
-        if reader.layout.planar:
-            fill_planar(job, mapped, record, box, images[j], scratch)
-        elif box is None:
-            copy_whole(job, mapped, record, images[j])
-        else:
-            assert job.crop is not None  # a box is drawn by the crop
-            top, left, box_height, box_width = box
-            rows = box_rows(job, mapped, record, top, box_height, scratch)
-            resize_into(rows[:, left : left + box_width], slot_images[j], *job.crop.kernel)
-        if flips is not None and flips[j]:
-            cv2.flip(images[j], 1, dst=images[j])
-        if job.ring.annotated:
-            fill_target(job, mapped, record, box, flips is not None and flips[j], slot, j, scratch)
+        read = record_bytes(job, mapped, record, scratch)
+        boxes = None if cropped is None else [view_boxes[j] for view_boxes in cropped]
+        layout.fill(read, record.shape, boxes, [out[j] for out in outs], resizes, scratch.take,
+                    color)  # fmt: skip
+        for (_, flips), out in zip(drawn, outs):
+            if flips is not None and flips[j]:
+                cv2.flip(out[j], 1, dst=out[j])
+        if annotated:  # (one view: a loader with views refuses annotated caches)
+            flipped = drawn[0][1] is not None and bool(drawn[0][1][j])
+            fill_target(job, read, record, boxes[0] if boxes else None, flipped, slot, j)
     return n
+
+
+def resizer(crop: Crop | None) -> px.Resize:
+    """How a view's boxes are resized into its slot: with its crop's kernel."""
+    kernel = crop.kernel if crop is not None else ("bilinear", True)  # (no crop: no box)
+
+    def resize(src: np.ndarray, dst: np.ndarray) -> None:
+        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
+
+    return resize
+
+
+def record_bytes(job: Job, mapped: bool, record: Record, scratch: Scratch) -> px.Read:
+    """How a filling thread reads ``record``'s bytes, chosen once for the record: an empty
+    (lazy) or unchecked record through the reader, which fills it, checks it or raises its
+    error; else a view of the mapping (``mapped``: the mapping was checked for this batch);
+    else ``pread`` into the buffer the layout asks for."""
+    if not record.filled:
+        flat = px.flat_bytes(job.reader.stored(record.cache_index))
+        return lambda start, n, into: flat[start : start + n]
+    if mapped:
+        assert job.mapping is not None  # mapped: the order is not empty
+        mapping, base = job.mapping, record.offset
+        return lambda start, n, into: mapping[base + start : base + start + n]
+
+    def read(start: int, n: int, into: str | np.ndarray) -> np.ndarray:
+        out = scratch.take(into, n) if isinstance(into, str) else into
+        pread(job, record, out, start)
+        return out
+
+    return read
 
 
 def fill_target(
     job: Job,
-    mapped: bool,
+    read: px.Read,
     record: Record,
     box: list[int] | None,
     flipped: bool,
     slot: int,
     j: int,
-    scratch: Scratch,
 ) -> None:
     """Sample ``j``'s target in slot ``slot``: its mask cropped (nearest) into the slot's masks
     and its fields' rows (boxes scaled and clipped, dropped rows gone) with the image's box
@@ -679,7 +703,9 @@ def fill_target(
     size = ring.shape[:2]
     if ring.masks is not None:
         out = ring.masks[slot][j].numpy()
-        mask = record_mask(job, mapped, record, scratch)
+        mask_dtype = job.reader.manifest.mask
+        assert mask_dtype is not None  # the ring has masks: the cache's records carry them
+        mask = px.read_mask(read, job.reader.layout, record.shape, mask_dtype)
         if box is None:
             out[...] = mask
         else:
@@ -697,204 +723,6 @@ def fill_target(
         if j == 0:
             targets.clear()
         targets.append(target)
-
-
-def record_mask(job: Job, mapped: bool, record: Record, scratch: Scratch) -> np.ndarray:
-    """The H x W mask of an annotated record: a view of the mapping (``mapped``), or read with
-    ``pread`` into the thread's scratch buffer, or the reader's (an empty lazy record)."""
-    if not record.filled:
-        mask = px.mask_part(job.reader.stored(record.cache_index))
-        assert mask is not None  # the ring has masks: the cache's records carry them
-        return mask
-    height, width, channels = (int(v) for v in record.shape)
-    dtype = np.dtype(job.reader.manifest.mask)
-    start = int(px.mask_offset(px.record_nbytes(height, width, channels, job.reader.pixels)))
-    n = height * width * dtype.itemsize
-    if mapped:
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat = job.mapping[record.offset + start : record.offset + start + n]
-    else:
-        flat = scratch.take("mask", n)
-        pread(job, record, flat, start)
-    return flat.view(dtype).reshape(height, width)
-def fill_views(
-    job: Job,
-    slot: int,
-    first: int,
-    indices: np.ndarray,
-    mapped: bool,
-    shared: Shared,
-    scratch: Scratch,
-) -> int | None:
-    """``fill`` with several views: each view's boxes and flips drawn under its own key
-    (``draws`` + its number), then each record read once (the rows all its boxes span) and
-    every view of it resized into that view's ring."""
-    assert job.views is not None and job.view_rings is not None  # a loader with views
-    reader, records = job.reader, job.reader.records
-    n = len(indices)
-    filled = reader.filled(indices)
-    offsets = records.offsets[indices].tolist()
-    shapes = records.shapes[indices]
-    drawn = [draw(crop, job.flip, (*job.draws, v), shapes, first, scratch)
-             for v, crop in enumerate(job.views)]  # fmt: skip
-    boxes = [b.tolist() for b, _ in drawn if b is not None]
-    outs = [ring.images[slot] for ring in job.view_rings]
-    if job.params is not None:
-        for (b, flips), params in zip(drawn, job.params[slot]):
-            params[:n, :4] = torch.from_numpy(b)
-            params[:n, 4] = torch.from_numpy(flips) if flips is not None else 0
-    for j, offset in enumerate(offsets):
-        if shared.stop:
-            return None
-        record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
-        mine = [b[j] for b in boxes]
-        if reader.layout.planar:
-            planar_views(job, mapped, record, mine, [out[j] for out in outs], scratch)
-        else:
-            top = min(box[0] for box in mine)
-            rows = box_rows(job, mapped, record, top, max(b[0] + b[2] for b in mine) - top,
-                            scratch)  # fmt: skip
-            for (t, left, h, w), out, crop in zip(mine, outs, job.views):
-                resize_into(rows[t - top : t - top + h, left : left + w], out[j], *crop.kernel)
-        for (_, flips), out in zip(drawn, outs):
-            if flips is not None and flips[j]:
-                image = out[j].numpy()
-                cv2.flip(image, 1, dst=image)
-    return n
-
-
-def planar_views(
-    job: Job,
-    mapped: bool,
-    record: Record,
-    boxes: list[list[int]],
-    outs: list[torch.Tensor],
-    scratch: Scratch,
-) -> None:
-    """Convert the ``boxes`` of I420 ``record`` into ``outs``, each resized, reading the
-    record once: its planes in the mapping, or (unless ``mapped``) the rows of each plane all
-    the boxes span, read with ``pread``."""
-    assert job.views is not None  # a loader with views
-    shape = (int(record.shape[0]), int(record.shape[1]))
-    rows_from = (0, 0)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.reader.planes(record.cache_index)
-    elif not mapped:
-        top = min(box[0] for box in boxes)
-        span = [top, 0, max(b[0] + b[2] for b in boxes) - top, shape[1]]
-        y, cb, cr = planar_box_rows(job, record, span, scratch)
-        rows_from = (top, px.chroma_window(span, shape)[0])
-    else:
-        height, width, channels = (int(v) for v in record.shape)
-        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat = job.mapping[record.offset : record.offset + n]
-        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
-    for box, out, crop in zip(boxes, outs, job.views):
-
-        def resize(
-            src: np.ndarray, dst: np.ndarray, kernel: tuple[str, bool] = crop.kernel
-        ) -> None:
-            resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
-
-        px.crop_into(y, cb, cr, box, shape, out.numpy(), resize, scratch.take, job.reader.color,
-                     rows_from)  # fmt: skip
-
-
-def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
-    """Copy an RGB record, all of it, into ``out`` (of the record's shape)."""
-    flat = out.reshape(-1)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        flat[:] = job.reader.read(record.cache_index).reshape(-1)
-    elif mapped:
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat[:] = job.mapping[record.offset : record.offset + flat.size]
-    else:
-        pread(job, record, flat)
-
-
-def fill_planar(
-    job: Job,
-    mapped: bool,
-    record: Record,
-    box: list[int] | None,
-    out: np.ndarray,
-    scratch: Scratch,
-) -> None:
-    """Convert I420 ``record`` into ``out``, whole, or only its ``box`` and then resized, as
-    the RGB path resizes (so the crop equals the same crop of the record read as RGB). Unless
-    ``mapped`` (see ``fill``), a box's rows of each plane are read with ``pread``, not the
-    record."""
-    shape = (int(record.shape[0]), int(record.shape[1]))
-    rows_from = (0, 0)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.reader.planes(record.cache_index)
-    elif box is not None and not mapped:
-        y, cb, cr = planar_box_rows(job, record, box, scratch)
-        rows_from = (box[0], px.chroma_window(box, shape)[0])
-    else:
-        height, width, channels = (int(v) for v in record.shape)
-        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
-        if mapped:
-            assert job.mapping is not None  # mapped: the order is not empty
-            flat = job.mapping[record.offset : record.offset + n]
-        else:
-            flat = scratch.take("rows", n)
-            pread(job, record, flat)
-        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
-    if box is None:
-        px.convert(y, cb, cr, job.reader.color, out)
-        return
-    assert job.crop is not None  # a box is drawn by the crop
-    kernel = job.crop.kernel
-
-    def resize(src: np.ndarray, dst: np.ndarray) -> None:
-        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
-
-    px.crop_into(y, cb, cr, box, shape, out, resize, scratch.take, job.reader.color, rows_from)
-
-
-def planar_box_rows(
-    job: Job, record: Record, box: list[int], scratch: Scratch
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows of each plane of an I420 record that its ``box`` is converted from
-    (``pixels.chroma_window``), read with ``pread`` into the thread's scratch buffer."""
-    height, width = int(record.shape[0]), int(record.shape[1])
-    chroma_width = px.chroma_shape(height, width)[1]
-    chroma_top, _, chroma_rows, _ = px.chroma_window(box, (height, width))
-    top, rows = box[0], box[2]
-    luma_bytes, chroma_bytes = rows * width, chroma_rows * chroma_width
-    buf = scratch.take("rows", luma_bytes + 2 * chroma_bytes)
-    y = buf[:luma_bytes]
-    cb = buf[luma_bytes : luma_bytes + chroma_bytes]
-    cr = buf[luma_bytes + chroma_bytes :]
-    for part, plane_start, row, plane_width in zip(
-        (y, cb, cr), px.plane_offsets(height, width), (top, chroma_top, chroma_top),
-        (width, chroma_width, chroma_width),
-    ):  # fmt: skip
-        pread(job, record, part, plane_start + row * plane_width)
-    shape = (chroma_rows, chroma_width)
-    return y.reshape(rows, width), cb.reshape(shape), cr.reshape(shape)
-
-
-def box_rows(
-    job: Job, mapped: bool, record: Record, top: int, rows: int, scratch: Scratch
-) -> torch.Tensor:
-    """Rows ``top .. top + rows - 1`` of an RGB record as a rows x W x C tensor: a view of the
-    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
-    buffer."""
-    height, width, channels = (int(v) for v in record.shape)
-    if not record.filled:
-        return torch.from_numpy(job.reader.read(record.cache_index))[top : top + rows]
-    if mapped:
-        assert job.mapping_tensor is not None  # mapped: the order is not empty
-        start = record.offset
-        whole = job.mapping_tensor[start : start + height * width * channels]
-        whole = whole.view(height, width, channels)
-        return whole[top : top + rows]
-    buf = scratch.take("rows", rows * width * channels)
-    pread(job, record, buf, top * width * channels)
-    return torch.from_numpy(buf).view(rows, width, channels)
 
 
 def pread(job: Job, record: Record, out: np.ndarray, start: int = 0) -> None:
@@ -922,31 +750,6 @@ def _to(labels: Any, device: torch.device) -> Any:
     }
 
 
-def views_batch(job: Job, slot: int, n: int, stream: Any) -> Batch:
-    """Slot ``slot``'s first ``n`` records of every view as a ``Batch`` whose images are a
-    list, one batch per view: the ring's buffers (CPU), or copies on the device made on
-    ``stream`` (CUDA; waited for, as ``to_device`` does)."""
-    assert job.view_rings is not None  # a loader with views
-    params = [p[:n] for p in job.params[slot]] if job.params is not None else None
-    labels = job.ring.labels[slot][:n]
-    if job.device.type != "cuda":
-        images = [ring.output(slot, n)[0] for ring in job.view_rings]
-        return Batch(images, labels, None, params)
-    with torch.cuda.stream(stream):
-        images = [
-            output(ring.images[slot][:n].to(job.device, non_blocking=True), job.normalize,
-                   job.channels_last)
-            for ring in job.view_rings
-        ]  # fmt: skip
-        labels = labels.to(job.device, non_blocking=True)
-        if params is not None:
-            params = [p.to(job.device, non_blocking=True) for p in params]
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    copied.synchronize()  # the slot refills next
-    return Batch(images, labels, copied, params)
-
-
 def param_buffers(
     slots: int, views: int, batch_size: int, pin_memory: bool
 ) -> list[list[torch.Tensor]]:
@@ -958,16 +761,27 @@ def param_buffers(
     ]  # fmt: skip
 
 
-def to_device(job: Job, images: torch.Tensor, labels: Any, stream: Any) -> Batch:
-    """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
-    the copy: the slot refills next."""
+def batch_of(job: Job, slot: int, n: int, stream: Any) -> Batch:
+    """Slot ``slot``'s first ``n`` samples as a ``Batch`` (its images a list of one batch per
+    view with ``views=``): the ring's buffers (CPU), or copies on the device made on
+    ``stream``, normalised there, and waited for (CUDA)."""
+    target = job.ring.target(slot, n)
+    params = [p[:n] for p in job.params[slot]] if job.params is not None else None
+    if job.device.type != "cuda":
+        images = [view.ring.output(slot, n) for view in job.views]
+        return Batch(images if job.listed else images[0], target, None, params)
     with torch.cuda.stream(stream):
-        on_device = images.to(job.device, non_blocking=True)
-        labels_on_device = _to(labels, job.device)
-        on_device = output(on_device, job.normalize, job.channels_last)
+        images = [
+            output(view.ring.images[slot][:n].to(job.device, non_blocking=True), job.normalize,
+                   job.channels_last)
+            for view in job.views
+        ]  # fmt: skip
+        target = _to(target, job.device)
+        if params is not None:
+            params = [p.to(job.device, non_blocking=True) for p in params]
         copied = torch.cuda.Event()
         copied.record(stream)
     # The copy of a batch takes a few milliseconds at PCIe speed, less than filling the next
     # batch; waiting here lets this thread's one pinned slot be refilled without a second ring.
     copied.synchronize()
-    return Batch(on_device, labels_on_device, copied)
+    return Batch(images if job.listed else images[0], target, copied, params)

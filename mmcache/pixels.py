@@ -45,6 +45,15 @@ _TO_COLOR = {"rgb": cv2.COLOR_YCrCb2RGB, "bgr": cv2.COLOR_YCrCb2BGR}
 # B = Y + 1.772 Cb', where Cb' = Cb - 128 and Cr' = Cr - 128.
 _FROM_YCC = ((1.0, 0.0, 1.402), (1.0, -0.344136, -0.714136), (1.0, 1.772, 0.0))
 
+# Bytes ``start .. start + n - 1`` of one record, a flat uint8 array: a view of its bytes
+# (mapped, or already read), or read into the buffer given: an array, or the name of a
+# reusable scratch buffer. The reader of the record chose how, once.
+Read = Callable[[int, int, "str | np.ndarray"], np.ndarray]
+# ``resize(src, dst)``: an H x W x C uint8 box resized into the contiguous ``dst``.
+Resize = Callable[[np.ndarray, np.ndarray], None]
+# ``take(name, nbytes)``: a reusable scratch buffer.
+Take = Callable[[str, int], np.ndarray]
+
 
 class Layout(Protocol):
     """A record layout: how a decoded image is stored in a record and read back.
@@ -77,6 +86,22 @@ class Layout(Protocol):
         """The image whose ``image_nbytes`` bytes are the uint8 array ``flat`` (no copy)."""
         ...
 
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        """Write the record of ``shape`` (H, W, C), whose bytes ``read`` gives, into ``outs``
+        as H x W x C images in colour order ``color``: each box ``(top, left, height,
+        width)`` resized into its out with its ``resize``, reading the record once (only the
+        rows the boxes span); or with ``boxes`` None the whole image into the one out."""
+        ...
+
 
 class RGB:
     """H x W x C uint8, row-major, in the cache's colour order (the default)."""
@@ -97,6 +122,30 @@ class RGB:
     def view(self, flat: np.ndarray, height: int, width: int, channels: int) -> np.ndarray:
         return flat.reshape(height, width, channels)
 
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        height, width, channels = (int(v) for v in shape)
+        if boxes is None:  # read straight into the out (a pread), or copied from a view
+            flat = outs[0].reshape(-1)
+            got = read(0, flat.size, flat)
+            if got.ctypes.data != flat.ctypes.data:
+                flat[:] = got
+            return
+        row = width * channels
+        top = min(box[0] for box in boxes)
+        count = max(box[0] + box[2] for box in boxes) - top
+        rows = read(top * row, count * row, "rows").reshape(count, width, channels)
+        for (t, left, h, w), out, resize in zip(boxes, outs, resizes):
+            resize(rows[t - top : t - top + h, left : left + w], out)
+
 
 class YUV420:
     """Planar I420 in JFIF's colour space (see the module's docstring)."""
@@ -115,6 +164,48 @@ class YUV420:
 
     def view(self, flat: np.ndarray, height: int, width: int, channels: int) -> np.ndarray:
         return flat.view(planar_dtype(height, width)).reshape(())
+
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        size = (int(shape[0]), int(shape[1]))
+        if boxes is None:
+            flat = read(0, self.image_nbytes(*size, 3), "rows")
+            convert(*planes(self.view(flat, *size, 3)), color, outs[0])
+            return
+        # The rows of each plane that all the boxes are converted from, read once; each box
+        # is then converted alone (``crop_into``: the pixels of the whole record's conversion).
+        top = min(box[0] for box in boxes)
+        span = (top, 0, max(box[0] + box[2] for box in boxes) - top, size[1])
+        y, cb, cr = plane_rows(read, size, span)
+        rows_from = (top, chroma_window(span, size)[0])
+        for box, out, resize in zip(boxes, outs, resizes):
+            crop_into(y, cb, cr, box, size, out, resize, take, color, rows_from)
+
+
+def plane_rows(
+    read: Read, shape: tuple[int, int], box: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of each plane of an I420 record of ``shape`` (H, W) that its ``box`` is
+    converted from (``chroma_window``), whole rows, as ``read`` gives them."""
+    height, width = shape
+    chroma_width = chroma_shape(height, width)[1]
+    chroma_top, _, chroma_rows, _ = chroma_window(box, shape)
+    starts = plane_offsets(height, width)
+    y = read(starts[0] + box[0] * width, box[2] * width, "luma_rows")
+    cb, cr = (
+        read(start + chroma_top * chroma_width, chroma_rows * chroma_width, name)
+        for start, name in ((starts[1], "cb_rows"), (starts[2], "cr_rows"))
+    )
+    chroma = (chroma_rows, chroma_width)
+    return y.reshape(box[2], width), cb.reshape(chroma), cr.reshape(chroma)
 
 
 # Every layout, by name: the one table a new layout is added to (the first is the default).
@@ -162,6 +253,22 @@ def record_nbytes(
 def mask_offset(image_nbytes: Any) -> Any:
     """Where a record's mask starts: after its image's bytes, at the next ``MASK_ALIGN``."""
     return -(-image_nbytes // MASK_ALIGN) * MASK_ALIGN
+
+
+def read_mask(read: Read, layout: Layout, shape: Any, mask: str) -> np.ndarray:
+    """The H x W mask of a record of ``shape`` stored as ``layout`` with masks of dtype
+    ``mask``, as ``read`` gives its bytes."""
+    height, width, channels = (int(v) for v in shape)
+    dtype = np.dtype(mask)
+    start = int(mask_offset(layout.image_nbytes(height, width, channels)))
+    flat = read(start, height * width * dtype.itemsize, "mask")
+    return flat.view(dtype).reshape(height, width)
+
+
+def flat_bytes(record: np.ndarray) -> np.ndarray:
+    """A stored record's bytes (image, then mask if any) as a flat uint8 array: a view of a
+    contiguous record."""
+    return np.ascontiguousarray(record).reshape(-1).view(np.uint8)
 
 
 def check_mask(mask: str | None) -> str | None:
