@@ -3,7 +3,7 @@
 A DataLoader worker copies each batch into a fresh shared-memory segment that the main process
 maps, and that segment (its allocation, the page faults writing it, the ``munmap`` that frees
 it) costs far more than the copy of the pixels. ``BatchLoader`` skips all of that: threads of
-the consuming process (``mmcache._batches``) copy records straight from the memory-mapped cache
+the consuming process (``mmcache._iteration``) copy records straight from the memory-mapped cache
 into a small ring of preallocated buffers (numpy and OpenCV release the GIL during large copies
 and resizes), so a batch costs one memory copy, or one resize per image with ``crop``, and no
 allocation.
@@ -42,19 +42,9 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-from ._batches import (
-    Iteration,
-    Job,
-    Normalize,
-    Ring,
-    Scratch,
-    View,
-    as_tensor,
-    draw,
-    param_buffers,
-    random_reader,
-)
+from ._batches import Job, Normalize, Ring, Scratch, View, draw, param_buffers
 from ._feedback import count
+from ._iteration import Iteration, as_tensor, random_reader
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError, StateMismatchError
 from .residency import memory
