@@ -116,3 +116,14 @@ def check_relative_path(rel: str) -> str | None:
     if any(part in ("", ".", "..") for part in rel.split("/")):
         return "contains '.', '..' or an empty part"
     return None
+
+
+def check_names(names: Any, path: Path, max_length: int) -> list[str]:
+    """A list of distinct names (class names), each ``is_name``."""
+    expect(
+        isinstance(names, list) and all(is_name(c, max_length) for c in names),
+        path,
+        f"classes must be a list of non-empty strings without NUL, at most {max_length} long",
+    )
+    expect(len(set(names)) == len(names), path, "class names repeat")
+    return names

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ._fields import field_row_dtype
 from ._files import cut_data_file, fsync_dir
 from ._filler import scrub_lost_fills
 from ._opening import (
@@ -38,6 +39,7 @@ from .format import (
     FIELDS_KIND,
     FILE_KINDS,
     FILLED,
+    FORMAT_VERSION,
     INDEX_DTYPE,
     LOCK_NAME,
     MAGIC,
@@ -46,7 +48,6 @@ from .format import (
     CacheFiles,
     Manifest,
     dtype_descr,
-    field_row_dtype,
     file_name,
     is_cache_file_name,
     is_fill_marker_name,
@@ -54,7 +55,6 @@ from .format import (
     read_cache_files,
     read_manifest,
     record_nbytes,
-    version_for,
 )
 from .space import disk_full_error
 
@@ -137,7 +137,8 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
     """``manifest``'s JSON object, without ``"checksums"`` (``write_manifest`` adds them)."""
     return {
         "magic": MAGIC,
-        "format_version": list(version_for(manifest)),
+        "format_version": list(FORMAT_VERSION),
+        "requires": manifest.requires,
         "generation": manifest.generation,
         "files": {kind: manifest.file(kind).name for kind in manifest.file_kinds},
         "sizes": manifest.sizes,
@@ -182,7 +183,7 @@ def write_manifest(manifest: Manifest) -> None:
             os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
         raise
     manifest.checksums = m["checksums"]
-    manifest.format_version = version_for(manifest)
+    manifest.format_version = FORMAT_VERSION
     fsync_dir(folder)
 
 

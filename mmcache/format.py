@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the code that reads and checks its files.
 
-Format version 4.0
+Format version 5.0
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -14,24 +14,21 @@ A cache is one folder; move or copy it as a unit. Its files:
     undecodable byte as ``\\udc80`` to ``\\udcff``). Keys:
 
     - ``"magic"``: MUST be ``"mmcache"``.
-    - ``"format_version"``: ``[major, minor]``. A reader MUST refuse a major it does not know and
-      SHOULD read a newer minor of a known major (minors only add keys). This is 4.0. Versions 1.0
-      and 1.1 are still read (1.0 lacked ``"checksums"``); 2.0 differs from them only in that a
-      generation may share the data file of an earlier one (below), which a 1.x reader would
-      misread, hence the new major. 3.0 differs from 2.0 only in that records may be stored in
-      another pixel layout than RGB (``options["pixels"]``, below), which a 2.x reader would
-      misread: writers write 3.x for a cache whose layout is not ``"rgb"`` and 2.x for an RGB
-      cache, which 2.x readers read as ever. 3.1 and 2.1 add only the ``filling-<token>``
-      files (below), which an older writer would take for a stranger's. 4.0 differs from 3.1
-      only in that records may carry annotations (a mask in the data file, ``"fields"`` in a
-      side file, below), which a 3.x reader would leave out: writers write 4.0 only for a cache
-      that has them.
+    - ``"format_version"``: ``[major, minor]``, 5.0 for every cache. A reader MUST refuse another
+      major (1.0 to 4.0 were development versions of mmcache, which readers refuse, saying how
+      to rebuild the cache) and SHOULD read a newer minor: a minor only adds keys a reader may
+      ignore. Whatever a reader must understand is a feature in ``"requires"``.
+    - ``"requires"``: the sorted list of the features this cache uses that a reader must
+      understand, and no others: ``"layout:<name>"`` (always: the record layout,
+      ``options["pixels"]``), ``"masks"`` (records carry masks, ``options["mask"]``),
+      ``"fields"`` (the ``fields`` file), ``"fill-markers"`` (a ``"lazy"`` cache: the
+      ``filling-<token>`` files). A reader MUST refuse a cache that requires a feature it does
+      not know, naming it, and one whose list is not what the rest of the manifest implies.
     - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
       maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
       to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
-      one, or an earlier one whose data file it shares (in 1.x, always this one). ``"sizes"``
-      gives the files' exact byte sizes; for the data file, the bytes this generation's records
-      lie within.
+      one, or an earlier one whose data file it shares. ``"sizes"`` gives the files' exact byte
+      sizes; for the data file, the bytes this generation's records lie within.
     - ``"count"``: the number of records N; ``"index_dtype"`` and ``"state_dtype"``: the record
       layouts below, spelled as numpy dtype descriptions, which MUST equal them exactly.
     - ``"mode"``: ``"build"`` (every record filled when published) or ``"lazy"`` (records are
@@ -41,25 +38,25 @@ A cache is one folder; move or copy it as a unit. Its files:
       of shards or their brace pattern; optional ``"pattern"`` and ``"label_key"``); paths are
       then member names.
     - ``"options"``: the preprocessing, as ``Options.to_json``; ``"classes"``: class names, index
-      = label. ``options["pixels"]`` names the record layout (``mmcache.pixels``): absent or
-      ``"rgb"``, or ``"yuv420"`` (3.x only). A reader MUST refuse a layout it does not know.
+      = label. ``options["pixels"]`` names the record layout (``mmcache.pixels``): ``"rgb"`` or
+      ``"yuv420"``.
     - ``"skipped"`` / ``"warnings"``: lists of ``{"path", "reason"}`` for files left out / files
       whose decoder complained but produced an image.
     - ``"fingerprints"``: ``{"listing", "options", "decoder"}``, hex SHA-256 digests; ``"decoder"``
       also records the decoder versions; ``"mmcache_version"``, ``"created"``.
-    - ``"fields"`` (4.x): the per-record arrays of the ``fields`` file, a list of ``{"name",
+    - ``"fields"``: the per-record arrays of the ``fields`` file, a list of ``{"name",
       "dtype", "shape"}`` (and, for class numbers, ``"classes"``: their names), in the file's
       order. ``name``: letters, digits and ``_``, unique (a leading ``_`` marks mmcache's own,
       which readers do not return: ``_mask_path``, ``_mask_stat``); ``dtype``: one of
       ``FIELD_DTYPES``; ``shape``: ``[rows, *tail]``, the shape of one record's array, ``rows``
-      -1 when it varies per record (boxes) or the fixed count. ``options["mask"]`` (4.x):
+      -1 when it varies per record (boxes) or the fixed count. ``options["mask"]``:
       ``"uint8"`` or ``"uint16"`` when each record carries a mask (below).
-    - ``"checksums"`` (1.1, REQUIRED from 1.1 on): ``{"index", "paths", "manifest"}`` (and
-      ``"fields"`` in a cache that has the file), zlib CRC-32s
-      of the index file, of the paths file, and of the manifest itself: of its JSON object without
-      ``"checksums"``, written as ``json.dumps(m, sort_keys=True, separators=(",", ":"))``. A
-      reader MUST refuse a cache whose checksums do not match. They catch accidental damage (any
-      burst of up to 32 flipped bits), not a forger: the reader checks everything else as well.
+    - ``"checksums"``: ``{"index", "paths", "manifest"}`` (and ``"fields"`` in a cache that has
+      the file), zlib CRC-32s of the index file, of the paths file, and of the manifest itself:
+      of its JSON object without ``"checksums"``, written as
+      ``json.dumps(m, sort_keys=True, separators=(",", ":"))``. A reader MUST refuse a cache whose
+      checksums do not match. They catch accidental damage (any burst of up to 32 flipped bits),
+      not a forger: the reader checks everything else as well.
 
     Strings: class names are non-empty, unique, without NUL, at most ``MAX_NAME`` characters.
 
@@ -73,11 +70,8 @@ A cache is one folder; move or copy it as a unit. Its files:
 ``state-<generation>.bin``
     N records of ``STATE_DTYPE`` (8 bytes): ``crc32`` (zlib's CRC-32 of the record's pixel bytes)
     and ``state``: ``EMPTY`` (0, not yet decoded: lazy mode only), ``FILLED`` (1), or a ``BAD_*``
-    code >= 2 (the file could not be cached; ``BAD_REASONS`` says why; 6, ``BAD_TRUNCATED``, is
-    newer than format 2.0's first readers, which refuse a lazy cache holding it as an unknown
-    record state: a reader MUST refuse a code it does not know; 7, ``BAD_MASK``, is 4.x's, for a
-    record whose mask is missing or does not fit its image, or whose COCO size is not its
-    own). Only this file changes
+    code >= 2 (the file could not be cached; ``BAD_REASONS`` says why; a reader MUST refuse a
+    code it does not know). Only this file changes
     after publication, and only in lazy mode: a filler writes the pixels, then ``crc32`` and
     ``state`` together, so a record that reads ``FILLED`` is complete. In a ``"build"`` cache
     every record is ``FILLED`` (a reader MUST refuse ``EMPTY`` there).
@@ -89,7 +83,7 @@ A cache is one folder; move or copy it as a unit. Its files:
     never absolute nor with an empty, ``.`` or ``..`` part: it cannot name a file outside the
     source root.
 
-``fields-<generation>.bin`` (4.x, when ``"fields"`` is not empty)
+``fields-<generation>.bin`` (when ``"fields"`` is not empty)
     For each field in the manifest's order: N + 1 ``<u8`` row numbers (``starts``: record i's
     rows are ``starts[i]`` to ``starts[i + 1]``; ``starts[0]`` is 0 and they never decrease),
     then ``starts[N]`` rows of ``dtype`` and ``shape[1:]``, then zeros to the next multiple of 8
@@ -107,13 +101,11 @@ A cache is one folder; move or copy it as a unit. Its files:
     ``options["mask"]``, the image's bytes are followed, from the record's next multiple of 8
     (zeros between), by its mask: height x width values of that dtype, little-endian, row-major
     (a segmentation label map, aligned with the image); the record's CRC-32 covers it all.
-    Records do not
-    overlap; they need not be in index order. A record covers its
-    pixels and the padding after them up to the next multiple of ``DATA_ALIGN`` (or to
-    ``sizes["data"]``, whichever comes first); bytes that no record of this generation covers
-    are garbage (records of earlier generations), and gaps read as zero. A first build or a
-    compaction leaves none. May be sparse (lazy mode), and may be longer than ``sizes["data"]``,
-    never shorter.
+    Records do not overlap; they need not be in index order. A record covers its pixels and the
+    padding after them up to the next multiple of ``DATA_ALIGN`` (or to ``sizes["data"]``,
+    whichever comes first); bytes that no record of this generation covers are garbage (records
+    of earlier generations), and gaps read as zero. A first build or a compaction leaves none.
+    May be sparse (lazy mode), and may be longer than ``sizes["data"]``, never shorter.
 
     Generations share a data file by appending: a refresh that keeps the records of unchanged
     files where they are writes the new and modified records after ``sizes["data"]`` of the
@@ -125,7 +117,7 @@ A cache is one folder; move or copy it as a unit. Its files:
 ``lock``
     An empty file that writers ``flock``; readers ignore it.
 
-``filling-<token>`` (2.1, 3.1; lazy mode)
+``filling-<token>`` (lazy mode)
     One per process that fills records, ``<token>`` 16 lowercase hex digits: it holds the boot
     id of the machine (Linux's ``/proc/sys/kernel/random/boot_id``, ASCII) and is created and
     flushed to disk, with its folder, before the process's first fill, and deleted after the
@@ -158,6 +150,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import zlib
 from dataclasses import dataclass, field
@@ -168,6 +161,7 @@ import numpy as np
 
 from . import pixels as px
 from ._checks import (
+    check_names,
     check_relative_path,
     expect,
     expect_written,
@@ -179,16 +173,17 @@ from ._checks import (
     read_exactly,
     validate_paths,
 )
+from ._fields import FIELD_DTYPES, check_fields, read_fields
 from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
 from .options import Options
 
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
-    "BAD_UNDECODABLE", "CHECKSUMS_SINCE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FIELDS_KIND",
+    "BAD_UNDECODABLE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FEATURES", "FIELDS_KIND",
     "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FILL_MARKER_PREFIX", "FORMAT_VERSION",
     "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
-    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest", "READS_MAJORS",
+    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest",
     "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
     "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "manifest_checksum",
     "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
@@ -196,31 +191,16 @@ __all__ = [
 ]  # fmt: skip
 
 MAGIC = "mmcache"
-FORMAT_VERSION = (4, 0)
-# What RGB caches are written as: 3.x adds only the other layouts, and 2.x readers read 2.1.
-RGB_FORMAT_VERSION = (2, 1)
-# What caches without annotations in another layout than RGB are written as.
-LAYOUTS_FORMAT_VERSION = (3, 1)
-# Majors this reader reads: 1.x is 2.0 without shared data files, 2.x is 3.0 in RGB only, 3.x
-# is 4.0 without annotations.
-READS_MAJORS = (1, 2, 3, 4)
-# The first version whose records may be stored in another layout than RGB.
-LAYOUTS_SINCE = (3, 0)
-# The first version whose records may carry annotations (a mask, fields).
-FIELDS_SINCE = (4, 0)
-# The first version whose manifests MUST carry "checksums".
-CHECKSUMS_SINCE = (1, 1)
+# The one version every writer writes. It follows the development versions 1.0 to 4.0 rather
+# than starting again at 1.0, so that no cache they wrote can pass for one of this format.
+FORMAT_VERSION = (5, 0)
+# The features a cache may require (its manifest's "requires"): what this reader understands.
+FEATURES = ("fields", "fill-markers", "masks", *(f"layout:{name}" for name in px.LAYOUTS))
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
-# The side file of a cache with fields (4.x).
+# The side file of a cache with fields.
 FIELDS_KIND = "fields"
-# The dtypes a field may have: little-endian integers and floats.
-FIELD_DTYPES = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f4", "<f8")
-# Bounds on a field's description: its name, its dimensions, the values of one row.
-MAX_FIELD_NAME = 64
-MAX_FIELD_DIMS = 4
-MAX_ROW_VALUES = 1 << 20
 # The files of processes filling a lazy cache (see the spec).
 FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
@@ -304,14 +284,6 @@ def record_nbytes(index: np.ndarray, layout: str, mask: str | None = None) -> np
     )
 
 
-def version_for(manifest: Manifest) -> tuple[int, int]:
-    """The format version ``manifest``'s cache is written as (see the spec)."""
-    if manifest.annotated:
-        return FORMAT_VERSION
-    original = px.layout_named(manifest.pixels).original
-    return RGB_FORMAT_VERSION if original else LAYOUTS_FORMAT_VERSION
-
-
 def file_name(kind: str, generation: str) -> str:
     return f"{kind}-{generation}.bin"
 
@@ -358,13 +330,13 @@ class Manifest:
     decoder: dict[str, str]
     sizes: dict[str, int]
     extra: dict[str, Any] = field(default_factory=dict)
-    # As read from disk (None for a 1.0 cache); ``write_manifest`` computes them afresh.
+    # As read from disk (None until written); ``write_manifest`` computes them afresh.
     checksums: dict[str, int] | None = None
     # The version the file declares (a newer minor than FORMAT_VERSION reads too).
     format_version: tuple[int, int] = FORMAT_VERSION
     # The generation whose data file this one's records lie in: its own, or an earlier one's.
     data_generation: str = ""
-    # The ``fields`` file's arrays, as ``{"name", "dtype", "shape"[, "classes"]}`` (4.x).
+    # The ``fields`` file's arrays, as ``{"name", "dtype", "shape"[, "classes"]}``.
     fields: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -386,8 +358,15 @@ class Manifest:
 
     @property
     def annotated(self) -> bool:
-        """Whether records carry annotations (a mask, fields): a 4.x cache."""
+        """Whether records carry annotations (a mask, fields)."""
         return self.mask is not None or bool(self.fields)
+
+    @property
+    def requires(self) -> list[str]:
+        """The features a reader must understand to read this cache (the spec's list)."""
+        uses = {"masks": self.mask is not None, "fields": bool(self.fields),
+                "fill-markers": self.mode == "lazy"}  # fmt: skip
+        return sorted([f"layout:{self.pixels}", *(name for name, used in uses.items() if used)])
 
     @property
     def file_kinds(self) -> tuple[str, ...]:
@@ -430,24 +409,27 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
     m = _load_manifest_json(folder, mpath)
-    version = _check_version(m, mpath)
-    checksums = _check_manifest_checksum(m, version, mpath, FIELDS_KIND in (m.get("files") or {}))
+    version = _check_version(m, folder, mpath)
+    requires = _check_requires(m.get("requires"), mpath)
+    files: Any = m.get("files")
+    checksums = _check_manifest_checksum(m, mpath, isinstance(files, dict) and FIELDS_KIND in files)
     # Values from the file: Any until each is checked.
     gen: Any = m.get("generation")
     expect(isinstance(gen, str) and len(gen) == 16 and is_hex(gen), mpath, "bad generation id")
     count: Any = m.get("count")
     expect(is_int(count, 0, 1 << 40), mpath, f"bad count {count!r}")
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
-        expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the version-1 layout")
-    fields = _check_fields(m.get("fields", []), version, mpath)
-    data_gen, sizes = _check_files(m, gen, count, version, mpath, bool(fields))
+        expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the layout of the spec")
+    fields = check_fields(m.get("fields", []), mpath, MAX_NAME)
+    data_gen, sizes = _check_files(m, gen, count, mpath, bool(fields))
     mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
-    classes = _check_classes(m.get("classes"), count, mpath)
+    classes = check_names(m.get("classes"), mpath, MAX_NAME)
+    expect(count == 0 or bool(classes), mpath, "records but no classes")
     for key in ("source", "options", "fingerprints", "decoder"):
         expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
     _check_source(m["source"], mpath)
-    _check_layout(m["options"], version, mpath)
+    _check_layout(m["options"], mpath)
     _check_options(m["options"], mpath)
     for key in ("skipped", "warnings"):
         entries = m.get(key)
@@ -459,9 +441,9 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder", "checksums", "fields",
+        "fingerprints", "decoder", "checksums", "fields", "requires",
     }  # fmt: skip
-    return Manifest(
+    manifest = Manifest(
         path=folder,
         generation=gen,
         count=count,
@@ -480,6 +462,13 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         data_generation=data_gen,
         fields=fields,
     )
+    expect(
+        requires == manifest.requires,
+        mpath,
+        f"requires {requires} where the cache uses {manifest.requires}: the manifest was "
+        "damaged or edited; rebuild the cache",
+    )
+    return manifest
 
 
 def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
@@ -512,8 +501,8 @@ def manifest_parse_cost(raw: bytes) -> int:
     return 64 * containers + 32 * raw.count(b",") + 24 * (raw.count(b'"') // 2)
 
 
-def _check_version(m: dict[str, Any], mpath: Path) -> tuple[int, int]:
-    """The magic, and a format version whose major this reader knows."""
+def _check_version(m: dict[str, Any], folder: Path, mpath: Path) -> tuple[int, int]:
+    """The magic, and a format version of this reader's major."""
     expect(m.get("magic") == MAGIC, mpath, f"magic is {m.get('magic')!r}, expected {MAGIC!r}")
     version: Any = m.get("format_version")
     expect(
@@ -523,23 +512,46 @@ def _check_version(m: dict[str, Any], mpath: Path) -> tuple[int, int]:
         mpath,
         f"format_version is {version!r}, expected [major, minor]",
     )
-    if version[0] not in READS_MAJORS:
+    if version[0] < FORMAT_VERSION[0]:
+        raise fail(mpath, f"written by a development version of mmcache (format "
+                   f"{version[0]}.{version[1]}), which this one does not read; rebuild it: "
+                   f"{_rebuild_command(m, folder)}")  # fmt: skip
+    if version[0] > FORMAT_VERSION[0]:
         raise fail(
             mpath,
             f"format version {version[0]}.{version[1]} is not supported by this mmcache "
-            f"(it reads {', '.join(f'{v}.x' for v in READS_MAJORS)}); upgrade mmcache or "
-            "rebuild the cache",
+            f"(it reads {FORMAT_VERSION[0]}.x); upgrade mmcache or rebuild the cache",
         )
     return version[0], version[1]
 
 
+def _rebuild_command(m: dict[str, Any], folder: Path) -> str:
+    """The command that rebuilds an old cache from its recorded source, into the same folder."""
+    source = m.get("source")
+    root: Any = source.get("root") if isinstance(source, dict) else None
+    root = shlex.quote(root) if is_name(root, MAX_PATH) else "SOURCE"
+    return f"mmcache build {root} {shlex.quote(str(folder))}"
+
+
+def _check_requires(requires: Any, mpath: Path) -> list[str]:
+    """The features the cache requires, every one of which this reader knows."""
+    expect(
+        isinstance(requires, list) and all(isinstance(f, str) for f in requires),
+        mpath,
+        f"requires is {requires!r}, expected a list of feature names",
+    )
+    unknown = [f for f in requires if f not in FEATURES]
+    if unknown:
+        raise fail(
+            mpath,
+            f"the cache requires {', '.join(map(repr, unknown))}, which this mmcache does not "
+            f"know (it knows {', '.join(FEATURES)}); upgrade mmcache or rebuild the cache",
+        )
+    return requires
+
+
 def _check_files(
-    m: dict[str, Any],
-    gen: str,
-    count: int,
-    version: tuple[int, int],
-    mpath: Path,
-    has_fields: bool,
+    m: dict[str, Any], gen: str, count: int, mpath: Path, has_fields: bool
 ) -> tuple[str, dict[str, int]]:
     """The generation whose data file holds the records, and the files' sizes."""
     files: Any = m.get("files")
@@ -553,13 +565,8 @@ def _check_files(
         "file names do not match the generation",
     )
     data_gen = _data_generation(files["data"])
-    # 1.x: the data file is the generation's own; 2.x: it may be an earlier generation's.
-    if data_gen is None or (version[0] < 2 and data_gen != gen):
-        raise fail(
-            mpath,
-            f"data file name {files['data']!r} is not data-<16 hex digits>.bin"
-            + ("" if version[0] >= 2 else " of this generation"),
-        )
+    if data_gen is None:
+        raise fail(mpath, f"data file name {files['data']!r} is not data-<16 hex digits>.bin")
     sizes: Any = m.get("sizes")
     expect(
         isinstance(sizes, dict)
@@ -572,18 +579,6 @@ def _check_files(
     expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
     expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
     return data_gen, sizes
-
-
-def _check_classes(classes: Any, count: int, mpath: Path) -> list[str]:
-    """Distinct class names, at least one when there are records."""
-    expect(
-        isinstance(classes, list) and all(is_name(c, MAX_NAME) for c in classes),
-        mpath,
-        f"classes must be a list of non-empty strings without NUL, at most {MAX_NAME} long",
-    )
-    expect(len(set(classes)) == len(classes), mpath, "class names repeat")
-    expect(count == 0 or classes, mpath, "records but no classes")
-    return classes
 
 
 def _no_manifest(folder: Path) -> str:
@@ -615,13 +610,9 @@ def _data_generation(name: Any) -> str | None:
     return rest.partition(".")[0] if kind == "data" else None
 
 
-def _check_manifest_checksum(
-    m: dict[str, Any], version: tuple[int, int], mpath: Path, has_fields: bool
-) -> dict[str, int] | None:
-    """The manifest's checksums after checking its own; None for a 1.0 manifest without them."""
+def _check_manifest_checksum(m: dict[str, Any], mpath: Path, has_fields: bool) -> dict[str, int]:
+    """The manifest's checksums after checking its own."""
     checksums = m.get("checksums")
-    if checksums is None and version < CHECKSUMS_SINCE:
-        return None
     expected = {"index", "paths", "manifest"} | ({FIELDS_KIND} if has_fields else set())
     expect(
         isinstance(checksums, dict)
@@ -654,7 +645,7 @@ def _check_source(source: dict[str, Any], mpath: Path) -> None:
         kind in SOURCE_KINDS, mpath, f"source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}"
     )
     keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
-    keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches (4.x)
+    keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches
     for key in keys:
         expect(
             is_name(source.get(key), MAX_PATH),
@@ -663,52 +654,8 @@ def _check_source(source: dict[str, Any], mpath: Path) -> None:
         )
 
 
-def _check_fields(fields: Any, version: tuple[int, int], mpath: Path) -> list[dict[str, Any]]:
-    """The descriptions of the ``fields`` file's arrays (see the spec)."""
-    expect(isinstance(fields, list), mpath, "fields must be a list")
-    expect(
-        not fields or version >= FIELDS_SINCE,
-        mpath,
-        f"format version {version[0]}.{version[1]} cannot hold fields: the manifest was "
-        "damaged or edited; rebuild the cache",
-    )
-    names = set()
-    for f in fields:
-        expect(isinstance(f, dict) and set(f) <= {"name", "dtype", "shape", "classes"}, mpath,
-               "a field must be {name, dtype, shape[, classes]}")  # fmt: skip
-        name, shape = f.get("name"), f.get("shape")
-        expect(
-            isinstance(name, str)
-            and 0 < len(name) <= MAX_FIELD_NAME
-            and name.isascii()
-            and name.replace("_", "a").isalnum()
-            and name not in names,
-            mpath,
-            f"field name {name!r} is not unique letters, digits and _",
-        )
-        names.add(name)
-        expect(f.get("dtype") in FIELD_DTYPES, mpath, f"field {name}: unknown dtype")
-        expect(
-            isinstance(shape, list)
-            and 1 <= len(shape) <= MAX_FIELD_DIMS
-            and is_int(shape[0], -1, 1 << 20)
-            and all(is_int(v, 1, MAX_ROW_VALUES) for v in shape[1:])
-            and int(np.prod(shape[1:])) <= MAX_ROW_VALUES,
-            mpath,
-            f"field {name}: shape must be [rows or -1, *tail] of positive sizes",
-        )
-        if "classes" in f:
-            _check_classes(f["classes"], 0, mpath)
-    return fields
-
-
-def field_row_dtype(spec: dict[str, Any]) -> np.dtype:
-    """The dtype of one row of a field (``shape[1:]`` values of its ``dtype``)."""
-    return np.dtype((np.dtype(spec["dtype"]), tuple(spec["shape"][1:])))
-
-
-def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path) -> None:
-    """The record layout is one this reader knows, and one the declared version allows."""
+def _check_layout(options: dict[str, Any], mpath: Path) -> None:
+    """The record layout and the masks' dtype are ones this reader knows."""
     layout = options.get("pixels", "rgb")
     expect(
         px.known(layout),
@@ -716,18 +663,12 @@ def _check_layout(options: dict[str, Any], version: tuple[int, int], mpath: Path
         f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
         f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",
     )
-    expect(
-        px.layout_named(layout).original or version >= LAYOUTS_SINCE,
-        mpath,
-        f"format version {version[0]}.{version[1]} cannot hold {layout!r} records (only "
-        f"{LAYOUTS_SINCE[0]}.x can): the manifest was damaged or edited; rebuild the cache",
-    )
     mask = options.get("mask")
     expect(
-        mask is None or (mask in px.MASKS and version >= FIELDS_SINCE),
+        mask is None or mask in px.MASKS,
         mpath,
-        f"records carry masks of {mask!r}, which format {version[0]}.{version[1]} and this "
-        "mmcache do not know; upgrade mmcache or rebuild the cache",
+        f"records carry masks of {mask!r}, which this mmcache does not know; upgrade mmcache "
+        "or rebuild the cache",
     )
 
 
@@ -830,40 +771,12 @@ def read_cache_files(manifest: Manifest) -> CacheFiles:
     paths_blob = bytes(blobs["paths"])
     validate_records(manifest, index, state, paths_blob)
     fields_blob = bytes(blobs[FIELDS_KIND]) if manifest.fields else None
-    fields = read_fields(manifest, fields_blob) if fields_blob is not None else {}
+    fields = (
+        read_fields(manifest.fields, fields_blob, manifest.count, manifest.file(FIELDS_KIND))
+        if fields_blob is not None
+        else {}
+    )
     return CacheFiles(manifest, index, state, paths_blob, fields, fields_blob)
-
-
-def read_fields(manifest: Manifest, blob: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The arrays of a ``fields`` file's content, checked against the manifest's descriptions
-    (see the spec): row numbers in order and within the file, fixed counts, nothing left over.
-
-    Raises:
-        CacheFormatError: naming the field and what is wrong.
-    """
-    where, n = manifest.file(FIELDS_KIND), manifest.count
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    pos = 0
-    for spec in manifest.fields:
-        name = spec["name"]
-        row = field_row_dtype(spec)
-        expect(len(blob) - pos >= 8 * (n + 1), where, f"field {name}: cut short")
-        starts = np.frombuffer(blob, "<u8", n + 1, pos).astype(np.int64)
-        pos += 8 * (n + 1)
-        expect(starts[0] == 0 and bool((np.diff(starts) >= 0).all()), where,
-               f"field {name}: row numbers out of order")  # fmt: skip
-        total = int(starts[-1])
-        expect(total <= (len(blob) - pos) // max(row.itemsize, 1), where,
-               f"field {name}: more rows than the file holds")  # fmt: skip
-        rows_wanted = spec["shape"][0]
-        if rows_wanted >= 0:
-            wrong = np.diff(starts) != rows_wanted
-            first_bad(wrong, where, f"field {name}: not {rows_wanted} rows")
-        rows = np.frombuffer(blob, row.base, total * int(np.prod(row.shape or (1,))), pos)
-        out[name] = starts, rows.reshape(total, *row.shape)
-        pos += -(-total * row.itemsize // 8) * 8
-    expect(pos == len(blob), where, f"{len(blob) - pos} bytes more than its fields hold")
-    return out
 
 
 def validate_records(

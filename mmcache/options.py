@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from types import MappingProxyType
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from . import pixels as px
-from ._interpolation import NAMES, RENAMED, from_stored, interpolation_name, to_stored
+from ._interpolation import NAMES, interpolation_name
 
 __all__ = [
     "COLORS",
@@ -48,10 +47,7 @@ class Options:
     the aspect ratio, never upscale) is set; none keeps the native size. ``interpolation``: the
     crops' names (``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"area"``, ``"lanczos"``), each
     OpenCV's kernel (``"bilinear"``: INTER_LINEAR, which does not antialias), or ``"auto"``:
-    INTER_AREA to shrink and INTER_LINEAR to enlarge; the old names ``"linear"`` and
-    ``"cubic"`` still work for one release, with a ``FutureWarning``. The manifest records
-    options as format 2.x manifests did (``size`` as ``[width, height]``, ``"linear"`` and
-    ``"cubic"``), so that caches keep their fingerprints. ``color`` is ``"rgb"``, ``"bgr"`` or
+    INTER_AREA to shrink and INTER_LINEAR to enlarge. ``color`` is ``"rgb"``, ``"bgr"`` or
     ``"gray"`` (stored H x W x 1). Files with more than ``max_pixels`` pixels are refused
     (``None``: ``DEFAULT_MAX_PIXELS``, Pillow's decompression-bomb limit).
 
@@ -109,8 +105,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (int(v) != v or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        name = interpolation_name(self.interpolation, "Options", ("auto",), stacklevel=4)
-        object.__setattr__(self, "interpolation", name)
+        interpolation_name(self.interpolation, ("auto",))
         if self.color not in COLORS:
             raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
         px.check_layout(self.pixels)
@@ -126,21 +121,9 @@ class Options:
         return 1 if self.color == "gray" else 3
 
     def to_json(self) -> dict[str, Any]:
+        """Every option, as the manifest records it (``size`` as a list, ``[height, width]``)."""
         d = asdict(self)
-        # Format 2.x's manifest form: [width, height], OpenCV's names (the fingerprint hashes it).
-        d["size"] = [self.size[1], self.size[0]] if self.size else None
-        d["interpolation"] = to_stored(self.interpolation)
-        # Caches made before these options existed keep their fingerprint (and format 2.x readers,
-        # which know no layouts, read an RGB cache's options as ever).
-        for name in ("reduced_decode", "keep_truncated"):
-            if not d[name]:
-                del d[name]
-        if px.layout_named(self.pixels).original:
-            del d["pixels"]
-        if self.mask is None:
-            del d["mask"]
-        if self.exif_orientation:
-            del d["exif_orientation"]
+        d["size"] = list(self.size) if self.size else None
         return d
 
     @classmethod
@@ -157,11 +140,6 @@ class Options:
                 raise ValueError(f"unknown option {name!r}")
             if not kind(value):
                 raise ValueError(f"{name} {value!r} is not an option value")
-        d = dict(d)
-        if d.get("size") is not None:
-            d["size"] = (d["size"][1], d["size"][0])
-        if "interpolation" in d:
-            d["interpolation"] = from_stored(d["interpolation"])
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -286,8 +264,6 @@ class OptionFlag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     implied: tuple[Any, ...] = ()  # values, besides the default, that flags() need not write
-    # Old names the flag still reads (with a warning), as the field does.
-    renamed: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 # The fields of which at most one is set: each keeps or sets the size its own way.
@@ -310,7 +286,7 @@ OPTION_FLAGS = (
         "interpolation", "--interpolation",
         "resize filter, OpenCV's kernel of that name (default auto: area to shrink, bilinear "
         "to enlarge)",
-        choices=INTERPOLATIONS, renamed=MappingProxyType(RENAMED),
+        choices=INTERPOLATIONS,
     ),
     OptionFlag(
         "color", "--color",

@@ -64,7 +64,6 @@ class Layout(Protocol):
     """
 
     name: str  # as manifests and ``Options.pixels`` name it
-    original: bool  # readers that know no layouts read it (format 2.x): no "pixels" recorded
     planar: bool  # stores planes converted when read: crop before converting (``planes``)
     colour_only: bool  # holds 3-channel images only (no ``color="gray"``)
     words: str  # how ``mmcache info`` describes it
@@ -106,7 +105,7 @@ class Layout(Protocol):
 class RGB:
     """H x W x C uint8, row-major, in the cache's colour order (the default)."""
 
-    name, original, planar, colour_only = "rgb", True, False, False
+    name, planar, colour_only = "rgb", False, False
     words = "rgb (H x W x C)"
 
     def image_nbytes(self, height: Any, width: Any, channels: Any) -> Any:
@@ -150,7 +149,7 @@ class RGB:
 class YUV420:
     """Planar I420 in JFIF's colour space (see the module's docstring)."""
 
-    name, original, planar, colour_only = "yuv420", False, True, True
+    name, planar, colour_only = "yuv420", True, True
     words = "yuv420 (planar I420, BT.601 full range; read back as RGB)"
 
     def image_nbytes(self, height: Any, width: Any, channels: Any) -> Any:

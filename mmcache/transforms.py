@@ -43,9 +43,8 @@ very kernel torchvision's ``resize`` runs on uint8 tensors (torch's ``_upsample_
 writing straight into the output; ``"bicubic"`` antialiased is torch's ``_upsample_bicubic2d_aa``.
 With ``antialias=False``, or for the other names (which torchvision never antialiases), each
 name is OpenCV's kernel, the one a build with ``--interpolation`` of that name stores with
-(``"bilinear"``: ``INTER_LINEAR``). The old (OpenCV's) names ``"linear"`` and ``"cubic"`` still work
-for one release, with a ``FutureWarning``, as ``"bilinear"`` and ``"bicubic"`` without
-antialiasing. docs/training.md gives how far each is from torchvision's, and how fast.
+(``"bilinear"``: ``INTER_LINEAR``). docs/training.md gives how far each is from torchvision's,
+and how fast.
 
 A crop whose output is larger than the largest box it can take of a stored image (the whole
 image for ``RandomResizedCrop``, ``ratio`` times its shorter side for ``CenterResizedCrop``)
@@ -69,7 +68,7 @@ import numpy as np
 import torch
 
 from . import pixels as px
-from ._interpolation import OPENCV, RENAMED, interpolation_name
+from ._interpolation import OPENCV, interpolation_name
 from ._targets import PER_BOX_KEYS as PER_BOX_KEYS  # (named in the module docstring)
 from ._targets import flip_target, resized_target
 
@@ -141,12 +140,9 @@ def _size_pair(size: int | Sequence[int]) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
-def _kernel(interpolation: str, antialias: bool, what: str) -> tuple[str, bool]:
-    """``(interpolation, antialias)`` in today's names: an old name (OpenCV's, which never
-    antialiased) warns and becomes the new name without antialiasing."""
-    if interpolation in RENAMED:
-        antialias = False
-    return interpolation_name(interpolation, what, stacklevel=4), bool(antialias)
+def _kernel(interpolation: str, antialias: bool) -> tuple[str, bool]:
+    """``(interpolation, antialias)``, the name checked."""
+    return interpolation_name(interpolation), bool(antialias)
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,7 @@ class _Crop:
 
     def __init__(self, size: int | Sequence[int], interpolation: str, antialias: bool) -> None:
         self.size = size
-        self.interpolation, self.antialias = _kernel(interpolation, antialias, type(self).__name__)
+        self.interpolation, self.antialias = _kernel(interpolation, antialias)
         self._upscale_warned: tuple[int, int] | None = None  # the size it last warned of
 
     def short_side_needed(self) -> int:
@@ -683,7 +679,7 @@ def resized_crop(
     if not img.flags.writeable:
         img = img.copy()  # torch refuses to wrap read-only memory without a warning
     src = torch.from_numpy(img)[top : top + bh, left : left + bw]
-    resize_into(src, torch.from_numpy(out), *_kernel(interpolation, antialias, "resized_crop"))
+    resize_into(src, torch.from_numpy(out), *_kernel(interpolation, antialias))
     return out
 
 

@@ -276,7 +276,7 @@ def test_a_damaged_fields_file_or_description_is_refused(seg, tmp_path):
     images, masks = seg
     build_cache(images, tmp_path / "c", masks=masks, workers=0)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert m["format_version"] == [4, 0]
+    assert m["format_version"] == [5, 0] and m["requires"] == ["fields", "layout:rgb", "masks"]
     path = tmp_path / "c" / m["files"]["fields"]
     blob = bytearray(path.read_bytes())
     blob[3] ^= 0xFF
@@ -309,11 +309,11 @@ def test_a_damaged_fields_file_or_description_is_refused(seg, tmp_path):
         MemmapImageDataset(tmp_path / "c")
 
 
-def test_an_annotated_cache_is_4_0_and_3_x_readers_refuse_it(seg, tmp_path, monkeypatch):
+def test_a_reader_that_knows_no_masks_refuses_a_cache_with_them(seg, tmp_path, monkeypatch):
     images, masks = seg
     build_cache(images, tmp_path / "c", masks=masks, workers=0)
-    monkeypatch.setattr(fmt, "READS_MAJORS", (1, 2, 3))
-    with pytest.raises(CacheFormatError, match="format version 4.0 is not supported"):
+    monkeypatch.setattr(fmt, "FEATURES", ("layout:rgb",))
+    with pytest.raises(CacheFormatError, match="requires 'fields', 'masks', which this mmcache"):
         MemmapImageDataset(tmp_path / "c")
 
 

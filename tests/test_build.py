@@ -46,7 +46,7 @@ def test_build_report_and_files(small_folder, tmp_path):
     assert (report.images, report.classes, report.decoded) == (12, 3, 12)
     assert report.skipped == [] and not report.up_to_date
     m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    assert m["magic"] == "mmcache" and m["format_version"] == list(fmt.RGB_FORMAT_VERSION)
+    assert m["magic"] == "mmcache" and m["format_version"] == list(fmt.FORMAT_VERSION)
     assert m["classes"] == ["cat", "dog", "emu"] and m["count"] == 12
     assert set(os.listdir(tmp_path / "cache")) == {"manifest.json", "lock", *m["files"].values()}
     assert report.bytes == m["sizes"]["data"]
@@ -606,31 +606,29 @@ def test_size_is_height_width_and_interpolations_have_torchvision_s_names(small_
         small_folder, tmp_path / "c", size=(24, 32), interpolation="bilinear", workers=1
     )
     assert report.images and MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
-    # The manifest keeps 2.x's form ([width, height], OpenCV's names), so 2.x caches stay current
+    # The manifest records every option as Options has it: size (height, width), the names.
     options = fmt.read_manifest(tmp_path / "c").options
-    assert options["size"] == [32, 24] and options["interpolation"] == "linear"
-    stored = {"size": [32, 24], "max_side": None, "short_side": None, "interpolation": "linear",
-              "color": "rgb", "max_pixels": 89_478_485}  # fmt: skip
+    assert options["size"] == [24, 32] and options["interpolation"] == "bilinear"
+    stored = {"size": [24, 32], "max_side": None, "short_side": None, "interpolation": "bilinear",
+              "color": "rgb", "max_pixels": 89_478_485, "reduced_decode": False, "pixels": "rgb",
+              "keep_truncated": False, "mask": None, "exif_orientation": True}  # fmt: skip
+    assert options == stored
     digest = hashlib.sha256(json.dumps(stored, sort_keys=True).encode()).hexdigest()
     assert Options(size=(24, 32), interpolation="bilinear").fingerprint() == digest
     assert Options.from_json(stored) == Options(size=(24, 32), interpolation="bilinear")
-    # 2.x's names still work, warning, and name the same cache
-    with pytest.warns(FutureWarning, match="'linear' is now called 'bilinear'"):
-        again = build_cache(
-            small_folder, tmp_path / "c", size=(24, 32), interpolation="linear", workers=1
-        )
-    assert again.up_to_date
+    with pytest.raises(ValueError, match="got 'linear'"):  # OpenCV's name: not one of these
+        build_cache(small_folder, tmp_path / "c", size=(24, 32), interpolation="linear")
 
 
-def test_the_cli_s_size_is_width_x_height_and_its_2x_interpolation_names_warn(
+def test_the_cli_s_size_is_width_x_height_and_opencv_s_names_are_refused(
     small_folder, tmp_path, capsys
 ):
     args = ["build", str(small_folder), str(tmp_path / "c"), "--size", "32x24", "--workers", "1"]
-    assert main([*args, "--interpolation", "cubic"]) == 0
-    err = capsys.readouterr().err
-    assert "warning: --interpolation cubic is now called bicubic" in err
+    assert main([*args, "--interpolation", "bicubic"]) == 0
     options = fmt.read_manifest(tmp_path / "c").options
-    assert options["size"] == [32, 24] and options["interpolation"] == "cubic"
+    assert options["size"] == [24, 32] and options["interpolation"] == "bicubic"
     assert MemmapImageDataset(tmp_path / "c")[0][0].shape == (24, 32, 3)
     assert main([*args, "--interpolation", "bicubic"]) == 0
     assert "up to date" in capsys.readouterr().out
+    assert main([*args, "--interpolation", "cubic"]) == 2
+    assert "invalid choice: 'cubic'" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def test_reduced_decode_flag_reaches_the_cache(small_folder, tmp_path, capsys):
     assert "--max-side 16 --reduced-decode" in capsys.readouterr().err
     assert main([*args, "--replace"]) == 0  # a rebuild, not "up to date"
     assert "up to date" not in capsys.readouterr().out
-    assert "reduced_decode" not in MemmapImageDataset(tmp_path / "c").manifest.options
+    assert MemmapImageDataset(tmp_path / "c").manifest.options["reduced_decode"] is False
 
 
 # --- messages that say what they mean ---------------------------------------------------------

@@ -242,8 +242,8 @@ def _rewrite_manifest(cache, **changes):
 
 
 def test_a_newer_format_version_is_refused_at_open(cache):
-    _rewrite_manifest(cache, format_version=[5, 0])
-    with pytest.raises(CacheFormatError, match="format version 5.0 is not supported"):
+    _rewrite_manifest(cache, format_version=[6, 0])
+    with pytest.raises(CacheFormatError, match="format version 6.0 is not supported"):
         MemmapImageDataset(cache)
 
 

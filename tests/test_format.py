@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 from conftest import reseal
 
-from mmcache import CacheFormatError, CacheNotFoundError
+from mmcache import (
+    CacheFormatError,
+    CacheNotFoundError,
+    MemmapImageDataset,
+    build_cache,
+    create_lazy_cache,
+)
 from mmcache import format as fmt
+from mmcache.sample_data import make_segmentation_set
 
 
 @pytest.fixture
@@ -33,6 +40,13 @@ def _write_manifest(cache: Path, m: dict) -> None:
 def _set(key: str, value):
     def edit(m: dict) -> None:
         m[key] = value
+
+    return edit
+
+
+def _drop(key: str):
+    def edit(m: dict) -> None:
+        del m[key]
 
     return edit
 
@@ -58,6 +72,23 @@ MANIFESTS = [
      "format version 9.0 is not supported"),
     ("version not a pair", _set("format_version", "2.0"), CacheFormatError,
      "format_version is '2.0', expected [major, minor]"),
+    ("development version", _set("format_version", [4, 0]), CacheFormatError,
+     "written by a development version of mmcache (format 4.0), which this one does not read; "
+     "rebuild it: mmcache build "),
+    ("unknown required feature", _set("requires", ["layout:hdr", "layout:rgb"]), CacheFormatError,
+     "the cache requires 'layout:hdr', which this mmcache does not know (it knows fields, "
+     "fill-markers, masks, layout:rgb, layout:yuv420); upgrade mmcache or rebuild the cache"),
+    ("requires missing", _drop("requires"), CacheFormatError,
+     "requires is None, expected a list of feature names"),
+    ("requires not a list", _set("requires", "layout:rgb"), CacheFormatError,
+     "requires is 'layout:rgb', expected a list of feature names"),
+    ("requires what is unused", _set("requires", ["layout:rgb", "masks"]), CacheFormatError,
+     "requires ['layout:rgb', 'masks'] where the cache uses ['layout:rgb']: the manifest was "
+     "damaged or edited"),
+    ("requires too little", _set("requires", []), CacheFormatError,
+     "requires [] where the cache uses ['layout:rgb']"),
+    ("uses masks unrequired", _set_option("mask", "uint8"), CacheFormatError,
+     "requires ['layout:rgb'] where the cache uses ['layout:rgb', 'masks']"),
     ("negative count", _set("count", -1), CacheFormatError, "bad count -1"),
     ("count not an int", _set("count", 1.5), CacheFormatError, "bad count 1.5"),
     ("mode", _set("mode", "eager"), CacheFormatError, "unknown mode 'eager'"),
@@ -116,6 +147,68 @@ def test_manifest_bytes_that_are_no_manifest(cache, raw, error, fragment):
     with pytest.raises(error) as e:
         fmt.read_manifest(cache)
     assert fragment in str(e.value)
+
+
+def test_a_development_version_s_cache_is_refused_in_one_line_naming_the_rebuild(cache):
+    m = _manifest(cache)
+    m["format_version"] = [2, 1]
+    m["source"]["root"] = "/data/my photos"
+    _write_manifest(cache, m)  # not resealed: the version is checked first
+    with pytest.raises(CacheFormatError) as e:
+        fmt.read_manifest(cache)
+    assert str(e.value) == (
+        f"{cache / fmt.MANIFEST_NAME}: written by a development version of mmcache (format 2.1), "
+        f"which this one does not read; rebuild it: mmcache build '/data/my photos' {cache}"
+    )
+
+
+@pytest.fixture(scope="module")
+def seg(tmp_path_factory) -> tuple[Path, Path]:
+    return make_segmentation_set(tmp_path_factory.mktemp("seg"), images=3, size=(24, 32))
+
+
+# (id, keyword arguments of the build, lazy, the manifest's "requires")
+FEATURE_CACHES = [
+    ("rgb", {}, False, ["layout:rgb"]),
+    ("yuv420", {"pixels": "yuv420"}, False, ["layout:yuv420"]),
+    ("masks", {"masks": True}, False, ["fields", "layout:rgb", "masks"]),
+    ("fields", {"fields": {"img_00000.png": np.ones((2, 3), np.float32)}}, False,
+     ["fields", "layout:rgb"]),
+    ("lazy", {}, True, ["fill-markers", "layout:rgb"]),
+    ("lazy yuv420 masks", {"pixels": "yuv420", "masks": True}, True,
+     ["fields", "fill-markers", "layout:yuv420", "masks"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "lazy", "requires"),
+    [c[1:] for c in FEATURE_CACHES],
+    ids=[c[0] for c in FEATURE_CACHES],
+)
+def test_every_feature_combination_is_written_as_the_one_version(
+    seg, tmp_path, kwargs, lazy, requires
+):
+    images, masks = seg
+    kwargs = dict(kwargs)
+    if kwargs.get("masks"):
+        kwargs["masks"] = masks
+    if "fields" in kwargs:
+        kwargs["fields"] = {"points": kwargs["fields"]}
+    (create_lazy_cache if lazy else build_cache)(images, tmp_path / "c", workers=0, **kwargs)
+    m = _manifest(tmp_path / "c")
+    assert m["format_version"] == list(fmt.FORMAT_VERSION) and m["requires"] == requires
+    ds = MemmapImageDataset(tmp_path / "c")
+    assert ds.manifest.requires == requires and len(ds) == 3
+    image = ds[0][0]
+    assert image.shape[2] == 3 and image.dtype == np.uint8
+
+
+def test_files_that_are_no_object_are_refused_not_a_type_error(cache):
+    m = _manifest(cache)
+    m["files"] = 3  # found by the manifest fuzz test: `"fields" in 3` raised TypeError
+    _write_manifest(cache, m)
+    with pytest.raises(CacheFormatError, match="checksum"):
+        fmt.read_manifest(cache)
 
 
 def test_an_edited_manifest_fails_its_checksum(cache):

@@ -160,7 +160,7 @@ def test_reduced_decode_is_explicit_recorded_and_close_to_the_reference(tmp_path
     build_cache(src, tmp_path / "fast", max_side=180, reduced_decode=True, workers=1)
     exact, fast = MemmapImageDataset(tmp_path / "exact"), MemmapImageDataset(tmp_path / "fast")
     assert fast.manifest.options["reduced_decode"] is True
-    assert "reduced_decode" not in exact.manifest.options  # older caches keep their fingerprint
+    assert exact.manifest.options["reduced_decode"] is False
     assert exact.manifest.fingerprints["options"] != fast.manifest.fingerprints["options"]
     assert Options(reduced_decode=True).fingerprint() != Options().fingerprint()
     for i, (path, _) in enumerate(fast.samples):

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from conftest import make_folder, reference, write_image
 
-from mmcache import MemmapImageDataset, build_cache, compact_cache, create_lazy_cache
+from mmcache import (
+    CacheFormatError,
+    MemmapImageDataset,
+    build_cache,
+    compact_cache,
+    create_lazy_cache,
+)
 from mmcache import format as fmt
 from mmcache._generation import garbage_bytes
 from mmcache._layout import aligned
@@ -176,29 +182,21 @@ def test_a_lazy_refresh_appends_empty_records_and_keeps_filled_ones(src, tmp_pat
 FORMAT_1_1 = Path(__file__).resolve().parent / "data" / "format-1.1"
 
 
-def test_a_cache_of_format_1_1_is_read_and_refreshed_into_2_0(tmp_path):
-    """A cache made by mmcache 0.1.0 (format 1.1, committed in tests/data) still opens with its
-    pixels; a refresh of it keeps its records where they are and publishes a 2.0 generation
-    that shares its data file."""
+def test_a_cache_of_a_development_version_is_refused_with_the_rebuild_line(tmp_path):
+    """A cache made by an early development version (format 1.1, committed in tests/data) is
+    refused in one line that gives the command rebuilding it; a build there rebuilds it."""
     old = shutil.copytree(FORMAT_1_1 / "cache", tmp_path / "cache")
     src = shutil.copytree(FORMAT_1_1 / "source", tmp_path / "source")
-    m = fmt.read_manifest(old)
-    assert m.format_version == (1, 1) and not m.shares_data and m.count == 4
-    ds = MemmapImageDataset(old)  # its recorded source is not here: not compared, no warning
-    for i, (path, _) in enumerate(ds.samples):
-        assert np.array_equal(ds[i][0], reference(src / os.path.relpath(path, m.source["root"])))
-    # The same files, moved: give them the sizes and mtimes the cache recorded for them.
-    files = files_of(old)
-    for i in range(files.manifest.count):
-        os.utime(src / files.path(i), ns=(0, int(files.index["source_mtime_ns"][i])))
-    report = build_cache(src, old, workers=0, source_moved=True)
-    assert report.appended and (report.decoded, report.reused) == (0, 4)
-    new = fmt.read_manifest(old)
-    assert new.format_version == fmt.RGB_FORMAT_VERSION and new.shares_data
-    assert new.file("data") == m.file("data")  # the 1.1 data file, kept
+    for read in (fmt.read_manifest, MemmapImageDataset):
+        with pytest.raises(CacheFormatError) as e:
+            read(old)
+        assert str(e.value) == (
+            f"{old / fmt.MANIFEST_NAME}: written by a development version of mmcache (format "
+            f"1.1), which this one does not read; rebuild it: mmcache build /tmp/f11/source {old}"
+        )
+    report = build_cache(src, old, workers=0)
+    assert report.decoded == 4 and fmt.read_manifest(old).format_version == fmt.FORMAT_VERSION
     assert_serves_the_source(old, src)
-    assert not any(n.startswith(("index-" + m.generation, "state-")) and m.generation in n
-                   for n in os.listdir(old))  # fmt: skip
 
 
 def test_a_refresh_with_no_room_to_compact_appends_and_says_so(tmp_path, capsys):

@@ -159,7 +159,7 @@ def test_info_fields(small_folder, tmp_path):
         info.data_bytes == json.loads((tmp_path / "c/manifest.json").read_text())["sizes"]["data"]
     )
     assert info.apparent_bytes > info.data_bytes and info.disk_bytes > 0
-    assert info.format_version == fmt.RGB_FORMAT_VERSION and info.mode == "build"
+    assert info.format_version == fmt.FORMAT_VERSION and info.mode == "build"
     assert info.options["color"] == "rgb" and info.skipped == []
     assert info.stale is None
     assert 0 <= info.resident_bytes <= info.data_bytes
@@ -184,8 +184,8 @@ def test_info_cli_text_and_json(small_folder, tmp_path, capsys):
     assert main(["info", str(tmp_path / "c"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["images"] == 12 and d["fixed_size"] is True and d["min_size"] == [24, 32, 3]
-    assert d["format_version"] == list(fmt.RGB_FORMAT_VERSION) and d["stale"] is None
-    assert d["options"]["size"] == [32, 24]
+    assert d["format_version"] == list(fmt.FORMAT_VERSION) and d["stale"] is None
+    assert d["options"]["size"] == [24, 32]
     assert d["resident_share"] == d["resident_bytes"] / d["data_bytes"]
     assert {"disk_bytes", "apparent_bytes", "ram_total", "ram_available", "skipped"} <= set(d)
 

@@ -260,15 +260,7 @@ def test_bicubic_is_torch_s_antialiased_bicubic():
     assert np.abs(out.astype(int) - reference).max() <= 1  # torchvision's float path, rounded
 
 
-@pytest.mark.parametrize(("old", "new"), [("linear", "bilinear"), ("cubic", "bicubic")])
-def test_opencv_s_2x_interpolation_names_warn_and_keep_their_pixels(old, new):
-    import cv2
-
-    img = _photo()
-    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
-        crop = RandomResizedCrop(100, interpolation=old)
-    assert crop.kernel == (new, False)  # OpenCV's kernel, as before: no antialiasing
-    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
-        out = resized_crop(img, (0, 0, 256, 384), (160, 200), old)
-    flag = cv2.INTER_LINEAR if old == "linear" else cv2.INTER_CUBIC
-    assert np.array_equal(out, cv2.resize(img, (200, 160), interpolation=flag))
+@pytest.mark.parametrize("old", ["linear", "cubic"])
+def test_opencv_s_names_are_not_interpolations(old):
+    with pytest.raises(ValueError, match=f"interpolation must be one of .*, got '{old}'"):
+        RandomResizedCrop(100, interpolation=old)

@@ -135,15 +135,14 @@ def test_the_i420_cache_is_at_most_0_52_of_the_rgb_cache(src, yuv, tmp_path):
 def test_the_layout_is_an_option_in_the_fingerprint_and_a_rebuild_needs_replace(src, yuv):
     m = fmt.read_manifest(yuv)
     assert m.pixels == "yuv420" and m.options["pixels"] == "yuv420"
-    assert m.format_version == (3, 1)
+    assert m.format_version == fmt.FORMAT_VERSION and m.requires == ["layout:yuv420"]
     rgb_opts = mmcache.Options()
-    assert "pixels" not in rgb_opts.to_json()  # RGB caches keep their fingerprint and 2.x
     assert mmcache.Options(pixels="yuv420").fingerprint() != rgb_opts.fingerprint()
     with pytest.raises(OptionsChangedError, match="--replace|replace"):
         build_cache(src, yuv, workers=0)
     build_cache(src, yuv, workers=0, replace=True)
     assert fmt.read_manifest(yuv).pixels == "rgb"
-    assert fmt.read_manifest(yuv).format_version == fmt.RGB_FORMAT_VERSION == (2, 1)
+    assert fmt.read_manifest(yuv).requires == ["layout:rgb"]
 
 
 def test_gray_with_yuv420_is_refused_with_one_clear_line(src, tmp_path, capsys):
@@ -171,18 +170,18 @@ def test_an_unknown_layout_is_refused(yuv):
         MemmapImageDataset(yuv)
 
 
-def test_a_2_0_manifest_cannot_claim_i420_records(yuv):
-    _edit_manifest(yuv, lambda m: m.update(format_version=[2, 0]))
-    with pytest.raises(CacheFormatError, match="2.0 cannot hold 'yuv420' records"):
+def test_a_manifest_cannot_claim_i420_records_without_requiring_them(yuv):
+    _edit_manifest(yuv, lambda m: m.update(requires=["layout:rgb"]))
+    with pytest.raises(CacheFormatError, match="requires .*'layout:rgb'.* uses .*'layout:yuv420'"):
         fmt.read_manifest(yuv)
 
 
-def test_a_2_x_reader_refuses_an_i420_cache_and_still_reads_rgb_ones(
+def test_a_reader_without_i420_refuses_an_i420_cache_and_still_reads_rgb_ones(
     src, yuv, tmp_path, monkeypatch
 ):
     build_cache(src, tmp_path / "rgb", workers=0)
-    monkeypatch.setattr(fmt, "READS_MAJORS", (1, 2))  # what mmcache read before layouts
-    with pytest.raises(CacheFormatError, match="format version 3.1 is not supported"):
+    monkeypatch.setattr(fmt, "FEATURES", ("fields", "fill-markers", "masks", "layout:rgb"))
+    with pytest.raises(CacheFormatError, match="requires 'layout:yuv420', which this mmcache"):
         MemmapImageDataset(yuv)
     assert len(MemmapImageDataset(tmp_path / "rgb")) == 8
 
@@ -199,7 +198,7 @@ def test_plan_shows_both_layouts_and_info_the_layout(src, yuv, capsys):
     assert "data as yuv420" in out and "policy (rgb, rgb)" in out
     assert main(["info", str(yuv)]) == 0
     out = capsys.readouterr().out
-    assert "pixels:     yuv420" in out and "format:     3.1" in out
+    assert "pixels:     yuv420" in out and "format:     5.0" in out
 
 
 def test_verify_finds_a_flipped_byte_in_a_chroma_plane(yuv):

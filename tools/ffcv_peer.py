@@ -55,9 +55,10 @@ class Cache:
         if not (self.folder / "manifest.json").is_file():
             raise SystemExit(f"{self.folder}: no manifest.json, so no mmcache cache there")
         m = json.loads((self.folder / "manifest.json").read_text(encoding="utf-8"))
-        # 2.0 only adds data files shared between generations: "files" names this one's.
-        if m.get("magic") != "mmcache" or m.get("format_version", [None])[0] not in (1, 2):
-            raise SystemExit(f"{self.folder}: not an mmcache cache of format version 1.x or 2.x")
+        # RGB records, as numpy reads them; a lazy cache once every record is filled (below).
+        needs = set(m.get("requires", [])) - {"layout:rgb", "fill-markers"}
+        if m.get("magic") != "mmcache" or m.get("format_version", [None])[0] != 5 or needs:
+            raise SystemExit(f"{self.folder}: not an mmcache cache of format 5.x in RGB")
         self.manifest = m
         files = {k: self.folder / v for k, v in m["files"].items()}
         index_dtype = np.dtype([tuple(f) for f in m["index_dtype"]])

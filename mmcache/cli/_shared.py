@@ -138,22 +138,8 @@ def non_negative(text: str) -> int:
 
 
 def _option_type(spec: OptionFlag) -> Callable[[str], Any]:
-    """argparse type of a preprocessing flag: the table's parser; an old name (interpolation's
-    OpenCV names) still works, with a warning."""
-    parse = argument_type(spec.parse or str)
-
-    def argument(text: str) -> Any:
-        if text in spec.renamed:
-            new = spec.renamed[text]
-            print(
-                f"mmcache: warning: {spec.flag} {text} is now called {new} (the same "
-                f"filter; {text} will stop working in the next major release)",
-                file=sys.stderr,
-            )
-            return new
-        return parse(text)
-
-    return argument
+    """argparse type of a preprocessing flag: the table's parser."""
+    return argument_type(spec.parse or str)
 
 
 def add_option(p: argparse.ArgumentParser | Any, spec: OptionFlag) -> None:
