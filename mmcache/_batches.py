@@ -1,20 +1,15 @@
-"""``BatchLoader``'s machinery: the ring of batch buffers and the threads that fill it.
+"""``BatchLoader``'s buffers and how one batch is filled: rings, views, draws, the fill path.
 
-An ``Iteration`` starts the filling threads over a ``Job`` (everything they read, fixed for the
-iteration) and hands out the batches in order. Threads and consumer share a ``Shared`` under
-one condition: a thread takes the next batch number, waits for the slot to be given back,
-copies (or crops and resizes) each record into the slot, and publishes a ``Batch``. An error
-raised in a thread is kept with the number of the batch it was filling and raised from the
-``next()`` that would have returned that batch. With several views (``Job.views``) each view has
-a ring of its own and the record is read once for all its views (``fill_views``).
+A ``Job`` is everything the filling threads of an iteration read (``mmcache._iteration`` runs
+them). Every loader fills views (``Job.views``): one without ``views=`` (a crop, or each record
+whole), several with it, each with a ring of its own. ``fill`` draws each view's boxes and
+flips, then reads each record once for all its views, through one choice of how its bytes are
+read (``record_bytes``), and its layout writes them into every view (``pixels.Layout.fill``).
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -24,7 +19,6 @@ import numpy as np
 import torch
 
 from . import pixels as px
-from ._opening import open_for_reading
 from ._records import RecordReader
 from ._targets import flip_target, resized_mask, resized_target
 from .transforms import DRAWS, Crop, resize_into
@@ -32,11 +26,6 @@ from .transforms import DRAWS, Crop, resize_into
 if TYPE_CHECKING:  # (a type only: the loader hands it over, this module never makes one)
     from .sampler import ReadAhead
 
-# An order with fewer steps forward by at most NEARBY records than this share is read as a
-# random one (see ``random_reader``); a sequential order (shuffle=False), or a rank's strided
-# share of one (DistributedSampler without shuffling), keeps the kernel's read-ahead.
-SEQUENTIAL_SHARE = 0.5
-NEARBY = 8
 # Uniform numbers for boxes and flips come in blocks of this many positions, each block from
 # its own generator keyed by (seed, epoch, rank, block): any batch is drawn without drawing the
 # epoch before it, whatever the batch size or thread count.
@@ -184,12 +173,10 @@ class Ring:
             if buffers is not None:
                 renew(buffers, slot, self.pinned)
 
-    def output(self, slot: int, n: int) -> tuple[torch.Tensor, Any]:
-        """Slot ``slot``'s first ``n`` images and labels (or, from an annotated cache, their
-        ``target``) as the loader hands them out (CPU)."""
+    def output(self, slot: int, n: int) -> torch.Tensor:
+        """Slot ``slot``'s first ``n`` images as the loader hands them out (CPU)."""
         floats = self.floats[slot][:n] if self.floats is not None else None
-        images = output(self.images[slot][:n], self.normalize, self.channels_last, floats)
-        return images, self.target(slot, n)
+        return output(self.images[slot][:n], self.normalize, self.channels_last, floats)
 
     @property
     def annotated(self) -> bool:
@@ -239,6 +226,14 @@ def renew(buffers: list[torch.Tensor], slot: int, pinned: bool) -> None:
         )
 
 
+class View(NamedTuple):
+    """One output of every record: a ring of its own."""
+
+    crop: Crop | None  # None: each record copied whole (they all have the ring's shape)
+    ring: Ring
+    key: tuple[int, ...]  # of its boxes' and flips' numbers: (seed, epoch, rank[, view])
+
+
 @dataclass
 class Job:
     """What the filling threads of one iteration read (only ``fd`` changes: closed at the end).
@@ -250,23 +245,19 @@ class Job:
             more: the batch held and the one before it, which a ``for`` loop's variable still
             references while it asks for the next); CUDA: device batches ready and not yet
             taken, at most.
-        ring: the buffers (CPU: a slot per batch in flight; CUDA: a pinned slot per thread).
+        views: what each record is written into: one ``View`` (its crop, or None to copy
+            each record whole), or one per view with ``views=``.
+        listed: batches hand out a list of one batch per view (``views=``).
         device: where batches go.
         normalize: the normalisation of CUDA batches (CPU ones are normalised by the ring).
         channels_last: the memory format of the batches handed out.
         reader: the records.
         mapping: the data file's mapping, a flat uint8 array (None for an empty order).
-        mapping_tensor: the same memory as a tensor (crops resize views of it).
         mapped: copy records out of ``mapping`` (else read them with ``pread``).
         read_ahead: the sampler's ``ReadAhead`` to tell how far the threads got, or None.
         fd: a descriptor of the data file advised for random reads, or -1 (see
             ``random_reader``).
-        crop: the crop (``transforms.Crop``: ``boxes``, ``draws``, ``kernel``), or None.
         flip: mirror each image with probability 1/2.
-        draws: (seed, epoch, rank): the key of the boxes' and flips' uniform numbers.
-        views: the crop of each view (several views of each record), or None; ``ring`` is
-            then the first view's ring, which holds the labels.
-        view_rings: a ring per view (with ``views``).
         params: with ``views``, a list per slot of an N x 5 int64 buffer per view for its
             boxes and flips (``transforms.PARAMS``), or None.
     """
@@ -274,22 +265,23 @@ class Job:
     order: np.ndarray
     batch_size: int
     ahead: int
-    ring: Ring
+    views: list[View]
+    listed: bool
     device: torch.device
     normalize: Normalize | None
     channels_last: bool
     reader: RecordReader
     mapping: np.ndarray | None
-    mapping_tensor: torch.Tensor | None
     mapped: bool
     read_ahead: ReadAhead | None
     fd: int
-    crop: Crop | None
     flip: bool
-    draws: tuple[int, int, int]
-    views: list[Crop] | None = None
-    view_rings: list[Ring] | None = None
     params: list[list[torch.Tensor]] | None = None
+
+    @property
+    def ring(self) -> Ring:
+        """The first view's ring, which holds the labels and targets."""
+        return self.views[0].ring
 
     @property
     def count(self) -> int:
@@ -297,252 +289,17 @@ class Job:
         return -(-len(self.order) // self.batch_size)
 
 
-class Batch(NamedTuple):
-    """A filled batch, ready to hand out."""
-
-    images: Any  # a tensor; with views, a list of one per view
-    labels: Any  # int64 labels, or an annotated cache's target dict (see ``Ring.target``)
-    copied: Any  # CUDA: the event of its copy to the device; CPU: None
-    params: Any = None  # with views and return_params: a tensor per view of its boxes and flips
-
-
-class Failure(NamedTuple):
-    """The first error of an iteration's threads: batches before it are still handed out."""
-
-    batch: int  # the number of the batch being filled
-    error: BaseException
-
-
-class Shared:
-    """What the filling threads and the consumer share (the threads never see the iterator, so
-    dropping the iterator can finalize it and stop them)."""
-
-    def __init__(self, first: int) -> None:
-        self.cond = threading.Condition()
-        self.next_batch = first  # the next batch number a thread will take
-        self.released = first  # batches before this one are given back by the consumer
-        self.ready: dict[int, Batch] = {}  # batch number -> batch
-        self.failure: Failure | None = None
-        self.stop = False
-
-
-class Iteration:
-    """One pass over a BatchLoader's order: starts the threads, hands out batches in order.
-
-    Args:
-        job: what the threads read.
-        start: batches of the order to skip (a resumed epoch).
-        threads: filling threads (no more than there are batches to fill).
-        taken: called with the number of batches handed out, after each, and whether the
-            iteration is over (once more, with True, when it ends: ``StopIteration``).
-    """
-
-    def __init__(
-        self, job: Job, start: int, threads: int, taken: Callable[[int, bool], None]
-    ) -> None:
-        self._count = job.count
-        self._taken = min(start, self._count)
-        self._shared = shared = Shared(self._taken)
-        self._on_taken = taken
-        self._closed: str | None = None
-        self._threads = [
-            threading.Thread(
-                target=fill_batches,
-                args=(job, shared, number),
-                name=f"mmcache-BatchLoader-{number}",
-                daemon=True,
-            )
-            for number in range(min(threads, max(self._count - self._taken, 1)))
-        ]
-        for thread in self._threads:
-            thread.start()
-        self._finalizer = weakref.finalize(self, stop, shared, self._threads, job)
-
-    def __iter__(self) -> Iteration:
-        return self
-
-    def __len__(self) -> int:
-        return self._count - self._taken
-
-    def __next__(self) -> tuple[Any, ...]:
-        if self._closed is not None:
-            raise RuntimeError(self._closed)
-        if self._taken >= self._count:
-            self.close()
-            self._on_taken(self._taken, True)
-            raise StopIteration
-        batch = self._wait(self._taken)
-        self._taken += 1
-        self._on_taken(self._taken, False)
-        if batch.copied is not None:
-            # The current stream is per thread: order the caller's stream after the copy, and
-            # tell the caching allocator that stream uses the tensors, so their memory is not
-            # handed to a later side-stream allocation while the caller's work still reads it.
-            images = batch.images if isinstance(batch.images, list) else [batch.images]
-            current = torch.cuda.current_stream(images[0].device)
-            current.wait_event(batch.copied)
-            for tensor in [*images, *_tensors(batch.labels), *(batch.params or [])]:
-                tensor.record_stream(current)
-        if batch.params is not None:
-            return batch.images, batch.params, batch.labels
-        return batch.images, batch.labels
-
-    def _wait(self, number: int) -> Batch:
-        """Batch ``number`` once a thread has filled it; a thread's error instead if it failed
-        on this batch (or on an earlier one, which cannot happen: they were handed out)."""
-        shared = self._shared
-        with shared.cond:
-            shared.released = number  # the batch handed out before this one may be refilled
-            shared.cond.notify_all()
-            while number not in shared.ready and (
-                shared.failure is None or shared.failure.batch > number
-            ):
-                shared.cond.wait()
-            batch = shared.ready.pop(number, None)
-            if batch is None:
-                # the wait above ends on a ready batch or on a failure
-                assert shared.failure is not None
-                error, shared.failure = shared.failure.error, None
-        if batch is None:
-            self.close("BatchLoader: this iteration stopped on an error")
-            raise error
-        return batch
-
-    def close(self, reason: str | None = None) -> None:
-        """Stop and join the threads; a later ``next()`` raises ``reason`` if one is given."""
-        self._finalizer()
-        if reason is not None:
-            self._closed = reason
-
-
-def stop(shared: Shared, threads: list[threading.Thread], job: Job) -> None:
-    """Tell the threads to stop, join them, and close what the job opened."""
-    with shared.cond:
-        shared.stop = True
-        shared.cond.notify_all()
-    me = threading.current_thread()
-    for thread in threads:
-        if thread is not me:
-            thread.join()
-    if job.read_ahead is not None:
-        job.read_ahead.close()
-    if job.fd >= 0:
-        os.close(job.fd)
-        job.fd = -1
-
-
-def random_reader(reader: RecordReader, order: np.ndarray) -> int:
-    """A descriptor of the data file advised ``POSIX_FADV_RANDOM`` for a shuffled order's
-    ``pread``s, or -1: a sequential order, or no such advice here (the reader's own descriptor
-    is used then).
-
-    The kernel otherwise takes a read whose preceding record is cached for a sequential stream
-    and reads ahead records the order will not want yet, which costs a slow disk more reads
-    than the order makes.
-    """
-    steps = np.diff(order)
-    forward = np.count_nonzero((steps > 0) & (steps <= NEARBY))  # in order, or a small stride
-    if len(steps) == 0 or forward >= SEQUENTIAL_SHARE * len(steps):
-        return -1
-    if not hasattr(os, "posix_fadvise"):
-        return -1
-    try:
-        fd = open_for_reading(reader.data_path)
-    except OSError:
-        return -1  # a data file replaced since the dataset opened: read through the reader
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except OSError:
-        os.close(fd)
-        return -1
-    return fd
-
-
-def as_tensor(mapping: np.ndarray) -> torch.Tensor:
-    """The read-only mapping of the data file as a flat uint8 tensor (no copy). torch warns
-    that it cannot mark the tensor read-only; nothing writes through it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(mapping)
-
-
-def fill_batches(job: Job, shared: Shared, thread_number: int) -> None:
-    """A filling thread: take batch numbers in turn, fill each into its slot, publish it."""
-    cuda = job.device.type == "cuda"
-    number = -1  # the batch being filled
-    try:
-        stream = torch.cuda.Stream(job.device) if cuda else None
-        scratch = Scratch()
-        slots = len(job.ring.images)
-        while True:
-            with shared.cond:
-                number = shared.next_batch
-                if number >= job.count or shared.stop or shared.failure is not None:
-                    return
-                shared.next_batch += 1
-                # CPU: slot number % slots last held batch number - slots, which the consumer
-                # dropped (unless kept: Ring.claim) once it asks for the batch two after it.
-                # CUDA: bound the device batches waiting.
-                while number > shared.released + job.ahead and not shared.stop:
-                    shared.cond.wait()
-                if shared.stop:
-                    return
-            slot = thread_number if cuda else number % slots
-            if not cuda:  # a batch the caller still holds keeps its buffers
-                for ring in job.view_rings or [job.ring]:
-                    ring.claim(slot)
-                if job.params is not None:  # this slot's only: others are being filled
-                    for view in range(len(job.params[slot])):
-                        renew(job.params[slot], view, job.ring.pinned)
-            if job.read_ahead is not None:  # the sampler's read-ahead follows the threads
-                first = number * job.batch_size
-                last = min(first + job.batch_size, len(job.order)) - 1
-                for position in (first, last):
-                    job.read_ahead.reached(position)
-                    job.read_ahead.wait(position)
-            n = fill(job, slot, number, shared, scratch)
-            if n is None:
-                return
-            images = job.ring.images[slot][:n]
-            if job.views is not None:
-                batch = views_batch(job, slot, n, stream)
-            elif cuda:
-                batch = to_device(job, images, job.ring.target(slot, n), stream)
-            else:
-                batch = Batch(*job.ring.output(slot, n), copied=None)
-            with shared.cond:
-                shared.ready[number] = batch
-                # Hold nothing of a batch once handed out (the consumer takes it under this
-                # lock): its slot's buffers count as in use while anything references them.
-                del batch, images
-                shared.cond.notify_all()
-    except BaseException as e:  # handed to the consumer, which raises it from next()
-        with shared.cond:
-            if shared.failure is None or number < shared.failure.batch:
-                shared.failure = Failure(number, e)
-            shared.cond.notify_all()
-
-
 class Scratch:
-    """A filling thread's reusable buffers: rows read with pread, the uniform numbers of
-    boxes and flips, the planes of I420 crops."""
+    """A filling thread's reusable buffers, by name: rows read with pread, the uniform
+    numbers of boxes and flips, the planes of I420 crops."""
 
     def __init__(self) -> None:
-        self.rows = np.empty(0, np.uint8)
-        self.numbers = np.empty(0, np.uint8)
-        # I420 crops: the box's window of each plane (chroma upsampled), merged, the box
-        self.cr = np.empty(0, np.uint8)
-        self.cb = np.empty(0, np.uint8)
-        self.luma = np.empty(0, np.uint8)
-        self.box = np.empty(0, np.uint8)
-        self.ycc = np.empty(0, np.uint8)
-        self.mask = np.empty(0, np.uint8)  # a record's mask, read with pread
+        self.buffers: dict[str, np.ndarray] = {}
 
     def take(self, name: str, nbytes: int) -> np.ndarray:
-        buf = getattr(self, name)
-        if buf.size < nbytes:  # grows to the largest record once, then is reused
-            buf = np.empty(nbytes, np.uint8)
-            setattr(self, name, buf)
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < nbytes:  # grows to the largest record once, then reused
+            buf = self.buffers[name] = np.empty(nbytes, np.uint8)
         return buf[:nbytes]
 
 
@@ -617,8 +374,13 @@ class Record(NamedTuple):
     filled: bool  # it holds its pixels (else the reader reads it: it fills or raises)
 
 
-def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> int | None:
-    """Fill ring slot ``slot`` with batch ``number``; its count, or None if told to stop."""
+def fill(
+    job: Job, slot: int, number: int, stopped: Callable[[], bool], scratch: Scratch
+) -> int | None:
+    """Fill ring slot ``slot`` of every view with batch ``number``: each view's boxes and
+    flips drawn under its own key, then each record read once (the rows all its boxes span)
+    and written into every view by its layout. Its count, or None if ``stopped()`` says
+    stop."""
     first = number * job.batch_size
     indices = job.order[first : first + job.batch_size]
     n = len(indices)
@@ -628,48 +390,81 @@ def fill(job: Job, slot: int, number: int, shared: Shared, scratch: Scratch) -> 
     # cut short is read with pread, which raises the reader's CacheFormatError for the records
     # past the end. Left: a truncation during the batch's copies (see BatchLoader's ``read``).
     mapped = job.mapped and not reader.cut_short()
-    slot_images = job.ring.images[slot]
-    images = slot_images.numpy()
     np.take(records.labels, indices, out=job.ring.labels[slot][:n].numpy())
-    if job.views is not None:
-        return fill_views(job, slot, first, indices, mapped, shared, scratch)
     filled = reader.filled(indices)
     offsets = records.offsets[indices].tolist()
     shapes = records.shapes[indices]
-    boxes, flips = draw(job.crop, job.flip, job.draws, shapes, first, scratch)
-    boxes = boxes.tolist() if boxes is not None else None
-    # One slice copy (or one resize) per record, each releasing the GIL (np.take over a
-    # strided 2-D view of the mapping was slower for records of a megabyte).
+    drawn = [draw(view.crop, job.flip, view.key, shapes, first, scratch) for view in job.views]
+    if job.params is not None:
+        for (drawn_boxes, flips), params in zip(drawn, job.params[slot]):
+            assert drawn_boxes is not None  # params are asked for with views, which all crop
+            params[:n, :4] = torch.from_numpy(drawn_boxes)
+            params[:n, 4] = torch.from_numpy(flips) if flips is not None else 0
+    # Without crops every record is copied whole (they share the ring's shape).
+    cropped = None
+    if job.views[0].crop is not None:
+        cropped = [b.tolist() for b, _ in drawn if b is not None]
+    outs = [view.ring.images[slot].numpy() for view in job.views]
+    resizes = [resizer(view.crop) for view in job.views]
+    layout, color, annotated = reader.layout, reader.color, job.ring.annotated
+    # One slice copy (or one resize) per record and view, each releasing the GIL (np.take over
+    # a strided 2-D view of the mapping was slower for records of a megabyte).
     for j, offset in enumerate(offsets):
-        if shared.stop:
+        if stopped():
             return None
         record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
-        box = boxes[j] if boxes is not None else None
-        if reader.pixels != "rgb":
-            fill_planar(job, mapped, record, box, images[j], scratch)
-        elif box is None:
-            copy_whole(job, mapped, record, images[j])
-        else:
-            assert job.crop is not None  # a box is drawn by the crop
-            top, left, box_height, box_width = box
-            rows = box_rows(job, mapped, record, top, box_height, scratch)
-            resize_into(rows[:, left : left + box_width], slot_images[j], *job.crop.kernel)
-        if flips is not None and flips[j]:
-            cv2.flip(images[j], 1, dst=images[j])
-        if job.ring.annotated:
-            fill_target(job, mapped, record, box, flips is not None and flips[j], slot, j, scratch)
+        read = record_bytes(job, mapped, record, scratch)
+        boxes = None if cropped is None else [view_boxes[j] for view_boxes in cropped]
+        layout.fill(read, record.shape, boxes, [out[j] for out in outs], resizes, scratch.take,
+                    color)  # fmt: skip
+        for (_, flips), out in zip(drawn, outs):
+            if flips is not None and flips[j]:
+                cv2.flip(out[j], 1, dst=out[j])
+        if annotated:  # (one view: a loader with views refuses annotated caches)
+            flipped = drawn[0][1] is not None and bool(drawn[0][1][j])
+            fill_target(job, read, record, boxes[0] if boxes else None, flipped, slot, j)
     return n
+
+
+def resizer(crop: Crop | None) -> px.Resize:
+    """How a view's boxes are resized into its slot: with its crop's kernel."""
+    kernel = crop.kernel if crop is not None else ("bilinear", True)  # (no crop: no box)
+
+    def resize(src: np.ndarray, dst: np.ndarray) -> None:
+        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
+
+    return resize
+
+
+def record_bytes(job: Job, mapped: bool, record: Record, scratch: Scratch) -> px.Read:
+    """How a filling thread reads ``record``'s bytes, chosen once for the record: an empty
+    (lazy) or unchecked record through the reader, which fills it, checks it or raises its
+    error; else a view of the mapping (``mapped``: the mapping was checked for this batch);
+    else ``pread`` into the buffer the layout asks for."""
+    if not record.filled:
+        flat = px.flat_bytes(job.reader.stored(record.cache_index))
+        return lambda start, n, into: flat[start : start + n]
+    if mapped:
+        assert job.mapping is not None  # mapped: the order is not empty
+        mapping, base = job.mapping, record.offset
+        return lambda start, n, into: mapping[base + start : base + start + n]
+
+    def read(start: int, n: int, into: str | np.ndarray) -> np.ndarray:
+        out = scratch.take(into, n) if isinstance(into, str) else into
+        pread(job, record, out, start)
+        return out
+
+    return read
 
 
 def fill_target(
     job: Job,
-    mapped: bool,
+    read: px.Read,
     record: Record,
     box: list[int] | None,
     flipped: bool,
     slot: int,
     j: int,
-    scratch: Scratch,
 ) -> None:
     """Sample ``j``'s target in slot ``slot``: its mask cropped (nearest) into the slot's masks
     and its fields' rows (boxes scaled and clipped, dropped rows gone) with the image's box
@@ -679,7 +474,9 @@ def fill_target(
     size = ring.shape[:2]
     if ring.masks is not None:
         out = ring.masks[slot][j].numpy()
-        mask = record_mask(job, mapped, record, scratch)
+        mask_dtype = job.reader.manifest.mask
+        assert mask_dtype is not None  # the ring has masks: the cache's records carry them
+        mask = px.read_mask(read, job.reader.layout, record.shape, mask_dtype)
         if box is None:
             out[...] = mask
         else:
@@ -699,252 +496,12 @@ def fill_target(
         targets.append(target)
 
 
-def record_mask(job: Job, mapped: bool, record: Record, scratch: Scratch) -> np.ndarray:
-    """The H x W mask of an annotated record: a view of the mapping (``mapped``), or read with
-    ``pread`` into the thread's scratch buffer, or the reader's (an empty lazy record)."""
-    if not record.filled:
-        mask = px.mask_part(job.reader.stored(record.cache_index))
-        assert mask is not None  # the ring has masks: the cache's records carry them
-        return mask
-    height, width, channels = (int(v) for v in record.shape)
-    dtype = np.dtype(job.reader.manifest.mask)
-    start = int(px.mask_offset(px.record_nbytes(height, width, channels, job.reader.pixels)))
-    n = height * width * dtype.itemsize
-    if mapped:
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat = job.mapping[record.offset + start : record.offset + start + n]
-    else:
-        flat = scratch.take("mask", n)
-        pread(job, record, flat, start)
-    return flat.view(dtype).reshape(height, width)
-def fill_views(
-    job: Job,
-    slot: int,
-    first: int,
-    indices: np.ndarray,
-    mapped: bool,
-    shared: Shared,
-    scratch: Scratch,
-) -> int | None:
-    """``fill`` with several views: each view's boxes and flips drawn under its own key
-    (``draws`` + its number), then each record read once (the rows all its boxes span) and
-    every view of it resized into that view's ring."""
-    assert job.views is not None and job.view_rings is not None  # a loader with views
-    reader, records = job.reader, job.reader.records
-    n = len(indices)
-    filled = reader.filled(indices)
-    offsets = records.offsets[indices].tolist()
-    shapes = records.shapes[indices]
-    drawn = [draw(crop, job.flip, (*job.draws, v), shapes, first, scratch)
-             for v, crop in enumerate(job.views)]  # fmt: skip
-    boxes = [b.tolist() for b, _ in drawn if b is not None]
-    outs = [ring.images[slot] for ring in job.view_rings]
-    if job.params is not None:
-        for (b, flips), params in zip(drawn, job.params[slot]):
-            params[:n, :4] = torch.from_numpy(b)
-            params[:n, 4] = torch.from_numpy(flips) if flips is not None else 0
-    for j, offset in enumerate(offsets):
-        if shared.stop:
-            return None
-        record = Record(int(indices[j]), offset, shapes[j], bool(filled[j]))
-        mine = [b[j] for b in boxes]
-        if reader.pixels != "rgb":
-            planar_views(job, mapped, record, mine, [out[j] for out in outs], scratch)
-        else:
-            top = min(box[0] for box in mine)
-            rows = box_rows(job, mapped, record, top, max(b[0] + b[2] for b in mine) - top,
-                            scratch)  # fmt: skip
-            for (t, left, h, w), out, crop in zip(mine, outs, job.views):
-                resize_into(rows[t - top : t - top + h, left : left + w], out[j], *crop.kernel)
-        for (_, flips), out in zip(drawn, outs):
-            if flips is not None and flips[j]:
-                image = out[j].numpy()
-                cv2.flip(image, 1, dst=image)
-    return n
-
-
-def planar_views(
-    job: Job,
-    mapped: bool,
-    record: Record,
-    boxes: list[list[int]],
-    outs: list[torch.Tensor],
-    scratch: Scratch,
-) -> None:
-    """Convert the ``boxes`` of I420 ``record`` into ``outs``, each resized, reading the
-    record once: its planes in the mapping, or (unless ``mapped``) the rows of each plane all
-    the boxes span, read with ``pread``."""
-    assert job.views is not None  # a loader with views
-    shape = (int(record.shape[0]), int(record.shape[1]))
-    rows_from = (0, 0)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.reader.planes(record.cache_index)
-    elif not mapped:
-        top = min(box[0] for box in boxes)
-        span = [top, 0, max(b[0] + b[2] for b in boxes) - top, shape[1]]
-        y, cb, cr = planar_box_rows(job, record, span, scratch)
-        rows_from = (top, px.chroma_window(span, shape)[0])
-    else:
-        height, width, channels = (int(v) for v in record.shape)
-        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat = job.mapping[record.offset : record.offset + n]
-        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
-    for box, out, crop in zip(boxes, outs, job.views):
-
-        def resize(
-            src: np.ndarray, dst: np.ndarray, kernel: tuple[str, bool] = crop.kernel
-        ) -> None:
-            resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
-
-        px.crop_into(y, cb, cr, box, shape, out.numpy(), resize, scratch.take, job.reader.color,
-                     rows_from)  # fmt: skip
-
-
-def copy_whole(job: Job, mapped: bool, record: Record, out: np.ndarray) -> None:
-    """Copy an RGB record, all of it, into ``out`` (of the record's shape)."""
-    flat = out.reshape(-1)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        flat[:] = job.reader.read(record.cache_index).reshape(-1)
-    elif mapped:
-        assert job.mapping is not None  # mapped: the order is not empty
-        flat[:] = job.mapping[record.offset : record.offset + flat.size]
-    else:
-        pread(job, record, flat)
-
-
-def fill_planar(
-    job: Job,
-    mapped: bool,
-    record: Record,
-    box: list[int] | None,
-    out: np.ndarray,
-    scratch: Scratch,
-) -> None:
-    """Convert I420 ``record`` into ``out``, whole, or only its ``box`` and then resized, as
-    the RGB path resizes (so the crop equals the same crop of the record read as RGB). Unless
-    ``mapped`` (see ``fill``), a box's rows of each plane are read with ``pread``, not the
-    record."""
-    shape = (int(record.shape[0]), int(record.shape[1]))
-    rows_from = (0, 0)
-    if not record.filled:  # the reader's own read raises its error (or, lazily, fills it)
-        y, cb, cr = job.reader.planes(record.cache_index)
-    elif box is not None and not mapped:
-        y, cb, cr = planar_box_rows(job, record, box, scratch)
-        rows_from = (box[0], px.chroma_window(box, shape)[0])
-    else:
-        height, width, channels = (int(v) for v in record.shape)
-        n = int(px.record_nbytes(height, width, channels, job.reader.pixels))
-        if mapped:
-            assert job.mapping is not None  # mapped: the order is not empty
-            flat = job.mapping[record.offset : record.offset + n]
-        else:
-            flat = scratch.take("rows", n)
-            pread(job, record, flat)
-        y, cb, cr = px.planes(px.stored_view(flat, record.shape, job.reader.pixels))
-    if box is None:
-        px.convert(y, cb, cr, job.reader.color, out)
-        return
-    assert job.crop is not None  # a box is drawn by the crop
-    kernel = job.crop.kernel
-
-    def resize(src: np.ndarray, dst: np.ndarray) -> None:
-        resize_into(torch.from_numpy(src), torch.from_numpy(dst), *kernel)
-
-    px.crop_into(y, cb, cr, box, shape, out, resize, scratch.take, job.reader.color, rows_from)
-
-
-def planar_box_rows(
-    job: Job, record: Record, box: list[int], scratch: Scratch
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows of each plane of an I420 record that its ``box`` is converted from
-    (``pixels.chroma_window``), read with ``pread`` into the thread's scratch buffer."""
-    height, width = int(record.shape[0]), int(record.shape[1])
-    chroma_width = px.chroma_shape(height, width)[1]
-    chroma_top, _, chroma_rows, _ = px.chroma_window(box, (height, width))
-    top, rows = box[0], box[2]
-    luma_bytes, chroma_bytes = rows * width, chroma_rows * chroma_width
-    buf = scratch.take("rows", luma_bytes + 2 * chroma_bytes)
-    y = buf[:luma_bytes]
-    cb = buf[luma_bytes : luma_bytes + chroma_bytes]
-    cr = buf[luma_bytes + chroma_bytes :]
-    for part, plane_start, row, plane_width in zip(
-        (y, cb, cr), px.plane_offsets(height, width), (top, chroma_top, chroma_top),
-        (width, chroma_width, chroma_width),
-    ):  # fmt: skip
-        pread(job, record, part, plane_start + row * plane_width)
-    shape = (chroma_rows, chroma_width)
-    return y.reshape(rows, width), cb.reshape(shape), cr.reshape(shape)
-
-
-def box_rows(
-    job: Job, mapped: bool, record: Record, top: int, rows: int, scratch: Scratch
-) -> torch.Tensor:
-    """Rows ``top .. top + rows - 1`` of an RGB record as a rows x W x C tensor: a view of the
-    mapping (``mapped``), or just those rows read with ``pread`` into the thread's scratch
-    buffer."""
-    height, width, channels = (int(v) for v in record.shape)
-    if not record.filled:
-        return torch.from_numpy(job.reader.read(record.cache_index))[top : top + rows]
-    if mapped:
-        assert job.mapping_tensor is not None  # mapped: the order is not empty
-        start = record.offset
-        whole = job.mapping_tensor[start : start + height * width * channels]
-        whole = whole.view(height, width, channels)
-        return whole[top : top + rows]
-    buf = scratch.take("rows", rows * width * channels)
-    pread(job, record, buf, top * width * channels)
-    return torch.from_numpy(buf).view(rows, width, channels)
-
-
 def pread(job: Job, record: Record, out: np.ndarray, start: int = 0) -> None:
     """Read ``out.nbytes`` of ``record`` from byte ``start`` of it on: through the iteration's
     own descriptor when it has one, else (or on a short read, so that the error is the
     reader's) through the reader."""
     if job.fd < 0 or os.preadv(job.fd, [out.data], record.offset + start) != out.nbytes:
         job.reader.read_into(record.cache_index, out, start)
-
-
-def _tensors(labels: Any) -> list[torch.Tensor]:
-    """The tensors of a batch's labels or target dict (its mask and fields' rows)."""
-    if isinstance(labels, torch.Tensor):
-        return [labels]
-    return [t for v in labels.values() for t in (v if isinstance(v, list) else [v])]
-
-
-def _to(labels: Any, device: torch.device) -> Any:
-    """A batch's labels or target dict on ``device`` (copies from pinned memory are async)."""
-    if isinstance(labels, torch.Tensor):
-        return labels.to(device, non_blocking=True)
-    return {
-        k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device, non_blocking=True)
-        for k, v in labels.items()
-    }
-
-
-def views_batch(job: Job, slot: int, n: int, stream: Any) -> Batch:
-    """Slot ``slot``'s first ``n`` records of every view as a ``Batch`` whose images are a
-    list, one batch per view: the ring's buffers (CPU), or copies on the device made on
-    ``stream`` (CUDA; waited for, as ``to_device`` does)."""
-    assert job.view_rings is not None  # a loader with views
-    params = [p[:n] for p in job.params[slot]] if job.params is not None else None
-    labels = job.ring.labels[slot][:n]
-    if job.device.type != "cuda":
-        images = [ring.output(slot, n)[0] for ring in job.view_rings]
-        return Batch(images, labels, None, params)
-    with torch.cuda.stream(stream):
-        images = [
-            output(ring.images[slot][:n].to(job.device, non_blocking=True), job.normalize,
-                   job.channels_last)
-            for ring in job.view_rings
-        ]  # fmt: skip
-        labels = labels.to(job.device, non_blocking=True)
-        if params is not None:
-            params = [p.to(job.device, non_blocking=True) for p in params]
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    copied.synchronize()  # the slot refills next
-    return Batch(images, labels, copied, params)
 
 
 def param_buffers(
@@ -958,16 +515,3 @@ def param_buffers(
     ]  # fmt: skip
 
 
-def to_device(job: Job, images: torch.Tensor, labels: Any, stream: Any) -> Batch:
-    """Copy a pinned batch to the device on ``stream`` (normalising it there), and wait for
-    the copy: the slot refills next."""
-    with torch.cuda.stream(stream):
-        on_device = images.to(job.device, non_blocking=True)
-        labels_on_device = _to(labels, job.device)
-        on_device = output(on_device, job.normalize, job.channels_last)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    # The copy of a batch takes a few milliseconds at PCIe speed, less than filling the next
-    # batch; waiting here lets this thread's one pinned slot be refilled without a second ring.
-    copied.synchronize()
-    return Batch(on_device, labels_on_device, copied)

@@ -122,6 +122,7 @@ class RecordReader:
         index = files.index
         self.data_path = files.manifest.file("data")
         self.pixels = files.manifest.pixels
+        self.layout = px.layout_named(self.pixels)
         self.color = files.manifest.options.get("color", "rgb")
         self.data: np.ndarray | None = None  # the data file, mapped on first read
         self.fd = -1
@@ -306,7 +307,7 @@ class RecordReader:
             ValueError: the cache stores RGB records.
             DecodeError: the record's file could not be cached.
         """
-        if self.pixels == "rgb":
+        if not self.layout.planar:
             raise ValueError(f"{self.cache}: stores RGB records, not planes; read(i) gives them")
         return px.planes(self.stored(i))
 

@@ -396,7 +396,7 @@ class MemmapImageDataset(Dataset):
         target: Any = reader.target(i, stored) if reader.annotated else int(reader.labels[i])
         # An I420 record under one of mmcache's crops: only the box is converted (the same
         # pixels as cropping the converted image, drawn the same way).
-        crop, transform = leading_crop(self.transform) if reader.pixels != "rgb" else (None, None)
+        crop, transform = leading_crop(self.transform) if reader.layout.planar else (None, None)
         if crop is not None:
             height, width = px.image_shape(stored)[:2]
             box = crop.draw(height, width)

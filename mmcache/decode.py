@@ -68,11 +68,7 @@ def preprocess(
         if interp == "auto":
             interp = "area" if oh <= h and ow <= w else "bilinear"
         img = cv2.resize(img, (ow, oh), interpolation=OPENCV[interp])
-    if options.pixels != "rgb":
-        return px.from_bgr(img, options.pixels)  # last, from imread's BGR
-    if options.color == "rgb":
-        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
-    return img.reshape(oh, ow, options.channels)
+    return px.layout_named(options.pixels).encode(img, options.color, options.channels)
 
 
 def read_flags(options: Options) -> int:

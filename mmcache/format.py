@@ -658,7 +658,7 @@ def _check_layout(options: dict[str, Any], mpath: Path) -> None:
     """The record layout and the masks' dtype are ones this reader knows."""
     layout = options.get("pixels", "rgb")
     expect(
-        layout in px.LAYOUTS,
+        px.known(layout),
         mpath,
         f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
         f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",
@@ -797,7 +797,7 @@ def validate_records(
     bad = (h < 1) | (h > MAX_SIDE) | (w < 1) | (w > MAX_SIDE) | (c < 1) | (c > MAX_CHANNELS)
     first_bad(bad, where, "height, width or channels out of range")
     layout = manifest.pixels
-    if layout != "rgb":
+    if px.layout_named(layout).colour_only:
         first_bad(c != 3, where, f"channels is not 3 in a {layout} cache")
     # <= 2**42 within the bounds: exact
     nbytes = record_nbytes(index, layout, manifest.mask).astype(np.uint64)

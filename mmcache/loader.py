@@ -3,7 +3,7 @@
 A DataLoader worker copies each batch into a fresh shared-memory segment that the main process
 maps, and that segment (its allocation, the page faults writing it, the ``munmap`` that frees
 it) costs far more than the copy of the pixels. ``BatchLoader`` skips all of that: threads of
-the consuming process (``mmcache._batches``) copy records straight from the memory-mapped cache
+the consuming process (``mmcache._iteration``) copy records straight from the memory-mapped cache
 into a small ring of preallocated buffers (numpy and OpenCV release the GIL during large copies
 and resizes), so a batch costs one memory copy, or one resize per image with ``crop``, and no
 allocation.
@@ -42,18 +42,9 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-from ._batches import (
-    Iteration,
-    Job,
-    Normalize,
-    Ring,
-    Scratch,
-    as_tensor,
-    draw,
-    param_buffers,
-    random_reader,
-)
+from ._batches import Job, Normalize, Ring, Scratch, View, draw, param_buffers
 from ._feedback import count
+from ._iteration import Iteration, as_tensor, random_reader
 from .dataset import MemmapImageDataset
 from .errors import MixedShapesError, StateMismatchError
 from .residency import memory
@@ -558,7 +549,12 @@ class BatchLoader:
         mapped = len(order) > 0 and self._reads_mapped() and not reader.cut_short()
         mapping = as_tensor(reader.mapping()) if len(order) else None
         random_fd = len(order) and not mapped and read_ahead is None
-        rings = self._views_buffers() if self._view_crops is not None else None
+        draws = (seed, self.epoch, self._rank())
+        if self._view_crops is None:  # one view: the crop's (or each record whole)
+            views = [View(self.crop, self._buffers(), draws)]
+        else:  # each view's numbers drawn under a key of its own: its number added
+            views = [View(crop, ring, (*draws, v)) for v, (crop, ring)
+                     in enumerate(zip(self._view_crops, self._views_buffers()))]  # fmt: skip
         return Job(
             order=order,
             batch_size=self.batch_size,
@@ -566,21 +562,17 @@ class BatchLoader:
             # CUDA: each thread reuses its own pinned slot, the ready device batches are
             # bounded instead.
             ahead=self.prefetch,
-            ring=rings[0] if rings is not None else self._buffers(),
+            views=views,
+            listed=self._view_crops is not None,
             device=self.device,
             normalize=self.normalize,
             channels_last=self.channels_last,
             reader=reader,
             mapping=None if mapping is None else mapping.numpy(),
-            mapping_tensor=mapping,
             mapped=mapped,
             read_ahead=read_ahead,
             fd=random_reader(reader, order) if random_fd else -1,
-            crop=self.crop,
             flip=self.flip,
-            draws=(seed, self.epoch, self._rank()),
-            views=self._view_crops,
-            view_rings=rings,
             params=self._params if self.return_params else None,
         )
 

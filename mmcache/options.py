@@ -110,7 +110,7 @@ class Options:
             raise ValueError(f"color must be one of {', '.join(COLORS)}, got {self.color!r}")
         px.check_layout(self.pixels)
         px.check_mask(self.mask)
-        if self.pixels != "rgb" and self.color == "gray":
+        if px.layout_named(self.pixels).colour_only and self.color == "gray":
             raise ValueError(
                 f"pixels={self.pixels!r} stores colour (luma and half-size chroma) and "
                 "color='gray' has none: build gray caches with the default pixels='rgb'"

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import cv2
 import numpy as np
 
-__all__ = ["LAYOUTS", "MASKS", "convert", "record_nbytes", "yuv420_to_rgb"]
+__all__ = [
+    "LAYOUTS", "Layout", "MASKS", "convert", "layout_named", "record_nbytes", "yuv420_to_rgb",
+]  # fmt: skip
 
-LAYOUTS = ("rgb", "yuv420")
 # The dtypes a record's mask may be stored in: 8-bit label maps (VOC, ADE20K, Cityscapes) and
 # 16-bit ones (more than 256 classes).
 MASKS = ("uint8", "uint16")
@@ -44,10 +45,189 @@ _TO_COLOR = {"rgb": cv2.COLOR_YCrCb2RGB, "bgr": cv2.COLOR_YCrCb2BGR}
 # B = Y + 1.772 Cb', where Cb' = Cb - 128 and Cr' = Cr - 128.
 _FROM_YCC = ((1.0, 0.0, 1.402), (1.0, -0.344136, -0.714136), (1.0, 1.772, 0.0))
 
+# Bytes ``start .. start + n - 1`` of one record, a flat uint8 array: a view of its bytes
+# (mapped, or already read), or read into the buffer given: an array, or the name of a
+# reusable scratch buffer. The reader of the record chose how, once.
+Read = Callable[[int, int, "str | np.ndarray"], np.ndarray]
+# ``resize(src, dst)``: an H x W x C uint8 box resized into the contiguous ``dst``.
+Resize = Callable[[np.ndarray, np.ndarray], None]
+# ``take(name, nbytes)``: a reusable scratch buffer.
+Take = Callable[[str, int], np.ndarray]
+
+
+class Layout(Protocol):
+    """A record layout: how a decoded image is stored in a record and read back.
+
+    A layout is looked up by its name (a manifest's ``pixels``) with ``layout_named``, once; every
+    other module asks the object and never compares names. A record's mask is not part of its
+    layout: it follows the image's bytes, whatever the layout (``record_nbytes``).
+    """
+
+    name: str  # as manifests and ``Options.pixels`` name it
+    planar: bool  # stores planes converted when read: crop before converting (``planes``)
+    colour_only: bool  # holds 3-channel images only (no ``color="gray"``)
+    words: str  # how ``mmcache info`` describes it
+
+    def image_nbytes(self, height: Any, width: Any, channels: Any) -> Any:
+        """Bytes of an image of ``height x width x channels`` (ints or int64 arrays)."""
+        ...
+
+    def image_format(self, height: int, width: int, channels: int) -> Any:
+        """The numpy dtype (or ``(dtype, shape)`` format) of one stored image."""
+        ...
+
+    def encode(self, bgr: np.ndarray, color: str, channels: int) -> np.ndarray:
+        """The record of a ``cv2.imread`` image (BGR, or H x W gray) in colour order
+        ``color``."""
+        ...
+
+    def view(self, flat: np.ndarray, height: int, width: int, channels: int) -> np.ndarray:
+        """The image whose ``image_nbytes`` bytes are the uint8 array ``flat`` (no copy)."""
+        ...
+
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        """Write the record of ``shape`` (H, W, C), whose bytes ``read`` gives, into ``outs``
+        as H x W x C images in colour order ``color``: each box ``(top, left, height,
+        width)`` resized into its out with its ``resize``, reading the record once (only the
+        rows the boxes span); or with ``boxes`` None the whole image into the one out."""
+        ...
+
+
+class RGB:
+    """H x W x C uint8, row-major, in the cache's colour order (the default)."""
+
+    name, planar, colour_only = "rgb", False, False
+    words = "rgb (H x W x C)"
+
+    def image_nbytes(self, height: Any, width: Any, channels: Any) -> Any:
+        return height * width * channels
+
+    def image_format(self, height: int, width: int, channels: int) -> Any:
+        return (np.uint8, (height, width, channels))
+
+    def encode(self, bgr: np.ndarray, color: str, channels: int) -> np.ndarray:
+        img = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB) if color == "rgb" else bgr
+        return img.reshape(*img.shape[:2], channels)
+
+    def view(self, flat: np.ndarray, height: int, width: int, channels: int) -> np.ndarray:
+        return flat.reshape(height, width, channels)
+
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        height, width, channels = (int(v) for v in shape)
+        if boxes is None:  # read straight into the out (a pread), or copied from a view
+            flat = outs[0].reshape(-1)
+            got = read(0, flat.size, flat)
+            if got.ctypes.data != flat.ctypes.data:
+                flat[:] = got
+            return
+        row = width * channels
+        top = min(box[0] for box in boxes)
+        count = max(box[0] + box[2] for box in boxes) - top
+        rows = read(top * row, count * row, "rows").reshape(count, width, channels)
+        for (t, left, h, w), out, resize in zip(boxes, outs, resizes):
+            resize(rows[t - top : t - top + h, left : left + w], out)
+
+
+class YUV420:
+    """Planar I420 in JFIF's colour space (see the module's docstring)."""
+
+    name, planar, colour_only = "yuv420", True, True
+    words = "yuv420 (planar I420, BT.601 full range; read back as RGB)"
+
+    def image_nbytes(self, height: Any, width: Any, channels: Any) -> Any:
+        return height * width + 2 * ((height + 1) // 2) * ((width + 1) // 2)
+
+    def image_format(self, height: int, width: int, channels: int) -> Any:
+        return planar_dtype(height, width)
+
+    def encode(self, bgr: np.ndarray, color: str, channels: int) -> np.ndarray:
+        return from_bgr(bgr, self.name)  # from imread's BGR, whatever the colour order
+
+    def view(self, flat: np.ndarray, height: int, width: int, channels: int) -> np.ndarray:
+        return flat.view(planar_dtype(height, width)).reshape(())
+
+    def fill(
+        self,
+        read: Read,
+        shape: Any,
+        boxes: Sequence[Sequence[int]] | None,
+        outs: Sequence[np.ndarray],
+        resizes: Sequence[Resize],
+        take: Take,
+        color: str,
+    ) -> None:
+        size = (int(shape[0]), int(shape[1]))
+        if boxes is None:
+            flat = read(0, self.image_nbytes(*size, 3), "rows")
+            convert(*planes(self.view(flat, *size, 3)), color, outs[0])
+            return
+        # The rows of each plane that all the boxes are converted from, read once; each box
+        # is then converted alone (``crop_into``: the pixels of the whole record's conversion).
+        top = min(box[0] for box in boxes)
+        span = (top, 0, max(box[0] + box[2] for box in boxes) - top, size[1])
+        y, cb, cr = plane_rows(read, size, span)
+        rows_from = (top, chroma_window(span, size)[0])
+        for box, out, resize in zip(boxes, outs, resizes):
+            crop_into(y, cb, cr, box, size, out, resize, take, color, rows_from)
+
+
+def plane_rows(
+    read: Read, shape: tuple[int, int], box: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of each plane of an I420 record of ``shape`` (H, W) that its ``box`` is
+    converted from (``chroma_window``), whole rows, as ``read`` gives them."""
+    height, width = shape
+    chroma_width = chroma_shape(height, width)[1]
+    chroma_top, _, chroma_rows, _ = chroma_window(box, shape)
+    starts = plane_offsets(height, width)
+    y = read(starts[0] + box[0] * width, box[2] * width, "luma_rows")
+    cb, cr = (
+        read(start + chroma_top * chroma_width, chroma_rows * chroma_width, name)
+        for start, name in ((starts[1], "cb_rows"), (starts[2], "cr_rows"))
+    )
+    chroma = (chroma_rows, chroma_width)
+    return y.reshape(box[2], width), cb.reshape(chroma), cr.reshape(chroma)
+
+
+# Every layout, by name: the one table a new layout is added to (the first is the default).
+_TABLE: dict[str, Layout] = {one.name: one for one in (RGB(), YUV420())}
+LAYOUTS = tuple(_TABLE)
+
+
+def layout_named(name: str) -> Layout:
+    """The layout named ``name`` (a manifest's ``pixels``); ValueError if there is none."""
+    found = _TABLE.get(name)
+    if found is None:
+        raise ValueError(f"unknown pixel layout {name!r}")
+    return found
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` names a layout this mmcache reads."""
+    return name in _TABLE
+
 
 def check_layout(layout: str) -> str:
     """``layout`` if it is one of ``LAYOUTS``; ValueError otherwise."""
-    if layout not in LAYOUTS:
+    if layout not in _TABLE:
         raise ValueError(f"pixels must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     return layout
 
@@ -63,12 +243,7 @@ def record_nbytes(
     """Bytes of a record of ``height x width x channels`` stored as ``layout``, with a
     ``mask`` of that dtype if given (works on ints and on int64 arrays alike): the one place a
     record's size is defined."""
-    if layout == "rgb":
-        image = height * width * channels
-    elif layout == "yuv420":
-        image = height * width + 2 * ((height + 1) // 2) * ((width + 1) // 2)
-    else:
-        raise ValueError(f"unknown pixel layout {layout!r}")
+    image = layout_named(layout).image_nbytes(height, width, channels)
     if mask is None:
         return image
     return mask_offset(image) + height * width * np.dtype(mask).itemsize
@@ -77,6 +252,22 @@ def record_nbytes(
 def mask_offset(image_nbytes: Any) -> Any:
     """Where a record's mask starts: after its image's bytes, at the next ``MASK_ALIGN``."""
     return -(-image_nbytes // MASK_ALIGN) * MASK_ALIGN
+
+
+def read_mask(read: Read, layout: Layout, shape: Any, mask: str) -> np.ndarray:
+    """The H x W mask of a record of ``shape`` stored as ``layout`` with masks of dtype
+    ``mask``, as ``read`` gives its bytes."""
+    height, width, channels = (int(v) for v in shape)
+    dtype = np.dtype(mask)
+    start = int(mask_offset(layout.image_nbytes(height, width, channels)))
+    flat = read(start, height * width * dtype.itemsize, "mask")
+    return flat.view(dtype).reshape(height, width)
+
+
+def flat_bytes(record: np.ndarray) -> np.ndarray:
+    """A stored record's bytes (image, then mask if any) as a flat uint8 array: a view of a
+    contiguous record."""
+    return np.ascontiguousarray(record).reshape(-1).view(np.uint8)
 
 
 def check_mask(mask: str | None) -> str | None:
@@ -88,16 +279,13 @@ def check_mask(mask: str | None) -> str | None:
 
 def masked_dtype(height: int, width: int, channels: int, layout: str, mask: str) -> np.dtype:
     """The structured dtype of one record with a mask: fields ``image`` and ``mask``."""
-    if layout == "rgb":
-        image: Any = (np.uint8, (height, width, channels))
-        nbytes = height * width * channels
-    else:
-        image = planar_dtype(height, width)
-        nbytes = image.itemsize
+    stored = layout_named(layout)
+    nbytes = stored.image_nbytes(height, width, channels)
     return np.dtype(
         {
             "names": ["image", "mask"],
-            "formats": [image, (np.dtype(mask), (height, width))],
+            "formats": [stored.image_format(height, width, channels),
+                        (np.dtype(mask), (height, width))],  # fmt: skip
             "offsets": [0, mask_offset(nbytes)],
             "itemsize": record_nbytes(height, width, channels, layout, mask),
         }
@@ -151,9 +339,7 @@ def stored_view(flat: np.ndarray, shape: Any, layout: str, mask: str | None = No
     h, w, c = (int(v) for v in shape)
     if mask is not None:
         return flat.view(masked_dtype(h, w, c, layout, mask)).reshape(())
-    if layout == "rgb":
-        return flat.reshape(h, w, c)
-    return flat.view(planar_dtype(h, w)).reshape(())
+    return layout_named(layout).view(flat, h, w, c)
 
 
 def planes(record: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -193,7 +193,8 @@ def plan_cache(
     def policy(o: Options) -> PolicyPlan:
         layout = layout_from_sizes(hw, o)
         kept = [listing.paths[i] for i in np.flatnonzero(layout.state == fmt.EMPTY)]
-        layouts = ("rgb",) if o.color == "gray" else px.LAYOUTS
+        layouts = [name for name in px.LAYOUTS
+                   if o.color != "gray" or not px.layout_named(name).colour_only]  # fmt: skip
         heights, widths, channels = layout.shapes.T
         by_layout = {
             name: layout_offsets(px.record_nbytes(heights, widths, channels, name, o.mask))[1]

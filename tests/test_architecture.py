@@ -148,3 +148,29 @@ def test_every_public_module_says_what_it_exports_in_a_sorted_all():
         assert found, f"mmcache/{name}.py is public but has no __all__"
         names = [ast.literal_eval(e) for e in found[0].elts]
         assert names == sorted(names), f"mmcache/{name}.py: __all__ is not sorted"
+
+
+def _compares_layout_names(node: ast.Compare) -> bool:
+    """Whether a comparison branches on a record layout's name: against ``"yuv420"`` or the
+    tuple of names (``LAYOUTS``), or a ``pixels``/``layout`` value against ``"rgb"`` (which
+    alone is also a colour order's name)."""
+    sides = [node.left, *node.comparators]
+    texts = [ast.unparse(side) for side in sides]
+    if any(isinstance(side, ast.Constant) and side.value == "yuv420" for side in sides):
+        return True
+    if any(re.search(r"\bLAYOUTS\b", text) for text in texts):
+        return True
+    rgb = any(isinstance(side, ast.Constant) and side.value == "rgb" for side in sides)
+    return rgb and any(re.search(r"pixels|layout", text) for text in texts)
+
+
+def test_layout_names_are_compared_in_the_layout_module_only():
+    """A new layout is one object in ``mmcache/pixels.py``'s table: nothing else branches on
+    a layout's name (``x.pixels == "rgb"``), it asks the layout object."""
+    offences = []
+    paths = {p.relative_to(ROOT): p for p in PACKAGE.rglob("*.py") if p.name != "pixels.py"}
+    for rel, path in sorted(paths.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and _compares_layout_names(node):
+                offences.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert offences == []

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import cast
 
+from .. import pixels as px
 from .._version import __version__
 from ..errors import CacheError
 from . import build, compact, copy, demo, evict, info, plan, verify, warm
@@ -63,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "mask", None) and not args.masks:
         print("mmcache: error: --mask-dtype needs --masks MASKS", file=sys.stderr)
         return 2
-    if getattr(args, "pixels", "rgb") != "rgb" and getattr(args, "color", None) == "gray":
+    pixels = getattr(args, "pixels", None)
+    if pixels and px.layout_named(pixels).colour_only and getattr(args, "color", None) == "gray":
         print(
             f"mmcache: error: --pixels {args.pixels} stores colour (luma and half-size chroma) "
             "and --color gray has none: build gray caches without --pixels",

@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+from .. import pixels as px
 from .._feedback import count, human_bytes
 from .._staleness import SOURCE_CHECKS
 from ..residency import cache_info
@@ -109,9 +110,7 @@ def _annotation_words(annotations: dict[str, Any], paired: dict[str, str]) -> st
 
 def _layout_words(layout: str) -> str:
     """How ``info`` names a record layout."""
-    if layout == "yuv420":
-        return "yuv420 (planar I420, BT.601 full range; read back as RGB)"
-    return f"{layout} (H x W x C)"
+    return px.layout_named(layout).words if px.known(layout) else f"{layout} (H x W x C)"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
