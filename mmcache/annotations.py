@@ -258,24 +258,7 @@ def _read_coco(
     the ``boxes``, ``labels`` and ``iscrowd`` arrays (boxes still in the JSON's pixels), and
     what pairs with nothing: the JSON's images not listed, the unknown image ids of
     annotations, and how many annotations have one."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_COCO_BYTES + 1)
-    except OSError as e:
-        raise SourceError(f"{path}: cannot read the COCO annotations ({e.strerror})") from None
-    if len(raw) > MAX_COCO_BYTES:
-        raise SourceError(f"{path}: larger than {MAX_COCO_BYTES >> 30} GiB; not a COCO file")
-    try:
-        doc = json.loads(raw)
-        images, anns, cats = doc["images"], doc.get("annotations", []), doc["categories"]
-        by_name = {str(im["file_name"]): im for im in images}
-        ids = sorted({int(c["id"]) for c in cats})
-        names = {int(c["id"]): str(c["name"]) for c in cats}
-    except (ValueError, KeyError, TypeError) as e:
-        raise SourceError(
-            f"{path}: not COCO detection annotations ({type(e).__name__}: {e}); expected "
-            "an object with images, annotations and categories"
-        ) from None
+    raw, images, anns, by_name, ids, names = _load_coco(path)
     label_of = {cid: k for k, cid in enumerate(ids)}
     classes = [names[cid] or str(cid) for cid in ids]
     if len(set(classes)) != len(classes):
@@ -319,7 +302,45 @@ def _read_coco(
         boxes[i].append([x, y, x + w, y + h])
         labels[i].append(label)
         crowd[i].append(is_crowd)
-    arrays: dict[str, tuple[dict[str, Any], list[np.ndarray]]] = {
+    arrays = _coco_arrays(boxes, labels, crowd, classes)
+    unknown_ids = sorted(unknown, key=str)
+    return hashlib.sha256(raw).hexdigest(), sizes, arrays, (missing, unknown_ids, orphans)
+
+
+def _load_coco(
+    path: Path,
+) -> tuple[bytes, list[Any], list[Any], dict[str, Any], list[int], dict[int, str]]:
+    """A COCO file's bytes and what ``_read_coco`` takes from them: its images, annotations,
+    images by file name, category ids (sorted) and names; ``SourceError`` if it is no COCO."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_COCO_BYTES + 1)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read the COCO annotations ({e.strerror})") from None
+    if len(raw) > MAX_COCO_BYTES:
+        raise SourceError(f"{path}: larger than {MAX_COCO_BYTES >> 30} GiB; not a COCO file")
+    try:
+        doc = json.loads(raw)
+        images, anns, cats = doc["images"], doc.get("annotations", []), doc["categories"]
+        by_name = {str(im["file_name"]): im for im in images}
+        ids = sorted({int(c["id"]) for c in cats})
+        names = {int(c["id"]): str(c["name"]) for c in cats}
+    except (ValueError, KeyError, TypeError) as e:
+        raise SourceError(
+            f"{path}: not COCO detection annotations ({type(e).__name__}: {e}); expected "
+            "an object with images, annotations and categories"
+        ) from None
+    return raw, images, anns, by_name, ids, names
+
+
+def _coco_arrays(
+    boxes: list[list[list[float]]],
+    labels: list[list[int]],
+    crowd: list[list[int]],
+    classes: list[str],
+) -> dict[str, tuple[dict[str, Any], list[np.ndarray]]]:
+    """The ``boxes``, ``labels`` and ``iscrowd`` fields: each one's description and arrays."""
+    return {
         "boxes": (
             {"name": "boxes", "dtype": "<f4", "shape": [-1, 4]},
             [np.asarray(b, np.float32).reshape(-1, 4) for b in boxes],
@@ -333,8 +354,6 @@ def _read_coco(
             [np.asarray(v, np.uint8) for v in crowd],
         ),
     }
-    unknown_ids = sorted(unknown, key=str)
-    return hashlib.sha256(raw).hexdigest(), sizes, arrays, (missing, unknown_ids, orphans)
 
 
 def _user_field(

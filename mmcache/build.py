@@ -59,31 +59,27 @@ def build_cache(
 ) -> BuildReport:
     """Decode every image of ``source`` once into the cache folder ``cache``.
 
-    An unchanged source with the same options is a no-op (``report.up_to_date``); a changed
-    source decodes only new and modified files and appends them to the data file, the records
-    of unchanged files staying where they are (``report.reused``, ``report.appended``). A lazy
-    cache is completed: its filled records are kept, the rest decoded in place.
+    An unchanged source with the same options is a no-op (``report.up_to_date``); a changed one
+    decodes only new and modified files, appended (``report.appended``; unchanged ones keep their
+    records: ``report.reused``). A lazy cache is completed: its empty records decoded in place.
 
     Args:
-        source: an ImageFolder-style folder, a flat folder of images, a ``path,label`` list,
-            or an archive read in place (a ``.tar`` of class folders or of one tar per class,
-            a ``.zip``, WebDataset shards; docs/archives.md); or its ``Listing``, from
-            ``scan_source`` (which takes the ``label_key`` of WebDataset ``.json`` labels).
+        source: an ImageFolder-style or flat folder of images, a ``path,label`` list, or an
+            archive read in place (``.tar`` of class folders or of one tar per class, ``.zip``,
+            WebDataset shards; docs/archives.md); or its ``Listing`` from ``scan_source``
+            (which takes the ``label_key`` of WebDataset ``.json`` labels).
         cache: the cache folder to create or update.
         workers: decode processes (default: all cores); 0 decodes in this process, without
             the protection from decoder crashes (for debuggers and profilers).
         strict: fail, leaving no new cache, if any file cannot be decoded.
-        progress: called as ``progress(done, total)`` while decoding (in a distributed build,
-            for this rank's share).
+        progress: called as ``progress(done, total)`` while decoding (this rank's share).
         force: start even when the destination lacks the free space the cache needs.
-        trust_decoder: keep a cache made by another decoder version (whose pixels may differ
-            slightly) rather than decode it all again, recording that in its manifest.
-        replace: rebuild a cache made from another source or with other preprocessing options;
-            without it such a build raises ``SourceChangedError`` naming both sources, or
-            ``OptionsChangedError`` naming the options, and changes nothing.
-        source_moved: accept a cache made from another folder (or list file) as this source's:
-            the same images moved there. The new source is recorded; files found unchanged
-            (same relative path, size and mtime) keep their records, the others are decoded.
+        trust_decoder: keep a cache of another decoder version (pixels may differ slightly)
+            rather than decode it all again, recording that in its manifest.
+        replace: rebuild a cache made from another source or with other preprocessing options
+            (without it: ``SourceChangedError`` or ``OptionsChangedError``, nothing changed).
+        source_moved: accept a cache of another folder (or list file) as this source's, moved:
+            files unchanged (relative path, size, mtime) keep their records, others are decoded.
         compact_at: past this share of the data file left to unused records (of removed or
             replaced files), a refresh writes a compact data file instead (``compact_cache``).
         distributed: build with every rank of the initialised ``torch.distributed`` group
@@ -91,17 +87,16 @@ def build_cache(
             getting the same report or error; ``None``: if the group has over one process.
         dist_timeout: in a distributed build, seconds a rank waits for the others at each step
             (rank 0 planning, the slowest share) before the build fails.
-        masks: a folder of segmentation masks, one per image at the same relative path and
-            stem (``mmcache.annotations``): each record stores its mask, resized with it.
-            8-bit unless ``mask="uint16"``.
+        masks: a folder of segmentation masks, one per image at its relative path and stem
+            (``mmcache.annotations``), stored and resized with it; 8-bit unless ``mask="uint16"``.
         coco: a COCO ``instances.json``: each record stores its boxes (in the stored image's
             pixels), labels and crowd flags.
         fields: the user's own arrays, ``{name: {path relative to the source: array}}``,
             one dtype and row shape per name (rows may vary: ``(n, *row)``).
-        **options: the preprocessing, the fields of ``Options`` (which says what each does):
-            ``size=(height, width)`` or ``max_side`` or ``short_side``, ``interpolation``,
-            ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``, ``keep_truncated``,
-            ``mask``. Default: native size, RGB.
+        **options: the preprocessing, ``Options``' fields (native size, RGB by default; ``Options``
+            says what each does): ``size=(height, width)`` or ``max_side`` or ``short_side``,
+            ``interpolation``, ``color``, ``max_pixels``, ``reduced_decode``, ``pixels``,
+            ``keep_truncated``, ``mask``.
 
     Examples:
         >>> report = build_cache("data/train", "cache/train", short_side=256)  # doctest: +SKIP
@@ -109,29 +104,20 @@ def build_cache(
 
     Raises:
         SourceError: no source, or no image of it could be decoded (nothing is published).
-        SourceChangedError: the cache there was made from another source, and neither
-            ``replace`` nor ``source_moved`` is given.
-        OptionsChangedError: the cache there has other options, and ``replace`` is False.
-        NotACacheError: a file, or a folder of other things, is where the cache would go.
-        DestinationError: the cache folder cannot be created or written.
+        SourceChangedError, OptionsChangedError: the cache there is another source's (without
+            ``replace`` or ``source_moved``), or has other options (without ``replace``).
+        NotACacheError, DestinationError: a file or a folder of other things is where the
+            cache would go; the cache folder cannot be created or written.
         StrictBuildError: ``strict`` and a file could not be decoded (nothing is published).
         InsufficientSpaceError: the disk lacks room for the cache, or filled up while writing.
         DistributedBuildError: a rank of a distributed build failed or timed out.
         DecodeWorkerError: the decode workers could not run (they die at start, or on each file).
         TypeError, ValueError: an unknown or an invalid preprocessing option.
     """
-    if not (isinstance(dist_timeout, int | float) and 0 < dist_timeout < math.inf):
-        raise ValueError(f"dist_timeout must be a number of seconds above 0, got {dist_timeout!r}")
-    request = writer.BuildRequest(
-        source, cache, _options(options, masks, coco), workers=workers, strict=strict,
-        progress=progress, force=force, trust_decoder=trust_decoder, replace=replace,
-        compact_at=compact_at, source_moved=source_moved, masks=masks, coco=coco, fields=fields,
-    )  # fmt: skip
-    if _in_process_group(distributed):
-        from .distributed import build_distributed
-
-        return build_distributed(request, timeout=dist_timeout)
-    return _build_here(request)
+    request = _request(source, cache, options, masks, coco, dist_timeout, workers=workers,
+        strict=strict, progress=progress, force=force, trust_decoder=trust_decoder, fields=fields,
+        replace=replace, compact_at=compact_at, source_moved=source_moved)  # fmt: skip
+    return _build(request, distributed, dist_timeout)
 
 
 def create_lazy_cache(
@@ -169,11 +155,39 @@ def create_lazy_cache(
         SourceError, SourceChangedError, OptionsChangedError: as ``build_cache``.
         NotACacheError, DestinationError, InsufficientSpaceError: as ``build_cache``.
     """
-    request = writer.BuildRequest(
-        source, cache, _options(options, masks, coco), workers=workers, progress=progress,
-        force=force, replace=replace, lazy=True, compact_at=compact_at,
-        source_moved=source_moved, masks=masks, coco=coco, fields=fields,
+    request = _request(
+        source, cache, options, masks, coco, workers=workers, progress=progress, force=force,
+        replace=replace, lazy=True, compact_at=compact_at, source_moved=source_moved, fields=fields,
     )  # fmt: skip
+    return _build_here(request)
+
+
+def _request(
+    source: str | os.PathLike | Listing,
+    cache: str | os.PathLike,
+    options: dict[str, Any],
+    masks: str | os.PathLike | None,
+    coco: str | os.PathLike | None,
+    dist_timeout: Any = writer.DIST_TIMEOUT,
+    **settings: Any,
+) -> writer.BuildRequest:
+    """A build's request, its arguments checked: ``dist_timeout``, then the preprocessing
+    ``Options`` (``_options``); the others by ``BuildRequest``."""
+    if not (isinstance(dist_timeout, int | float) and 0 < dist_timeout < math.inf):
+        raise ValueError(f"dist_timeout must be a number of seconds above 0, got {dist_timeout!r}")
+    return writer.BuildRequest(
+        source, cache, _options(options, masks, coco), masks=masks, coco=coco, **settings
+    )
+
+
+def _build(
+    request: writer.BuildRequest, distributed: bool | None, dist_timeout: float
+) -> BuildReport:
+    """Build with every rank of the process group when there is one to build with, else here."""
+    if _in_process_group(distributed):
+        from .distributed import build_distributed
+
+        return build_distributed(request, timeout=dist_timeout)
     return _build_here(request)
 
 

@@ -150,7 +150,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import stat
 import zlib
 from dataclasses import dataclass, field
@@ -169,14 +168,23 @@ from ._checks import (
     first_bad,
     is_hex,
     is_int,
-    is_name,
     read_exactly,
     validate_paths,
 )
 from ._fields import FIELD_DTYPES, check_fields, read_fields
+from ._manifest import (
+    check_entries,
+    check_layout,
+    check_manifest_checksum,
+    check_options,
+    check_requires,
+    check_source,
+    check_version,
+    manifest_parse_cost,
+    no_manifest,
+)
 from ._opening import link_refused, read_whole
 from .errors import CacheFormatError, CacheNotFoundError
-from .options import Options
 
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
@@ -409,10 +417,11 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
     m = _load_manifest_json(folder, mpath)
-    version = _check_version(m, folder, mpath)
-    requires = _check_requires(m.get("requires"), mpath)
+    version = check_version(m, folder, mpath, MAGIC, FORMAT_VERSION, MAX_PATH)
+    requires = check_requires(m.get("requires"), mpath, FEATURES)
     files: Any = m.get("files")
-    checksums = _check_manifest_checksum(m, mpath, isinstance(files, dict) and FIELDS_KIND in files)
+    fields_kind = FIELDS_KIND if isinstance(files, dict) and FIELDS_KIND in files else None
+    checksums = check_manifest_checksum(m, mpath, fields_kind, manifest_checksum)
     # Values from the file: Any until each is checked.
     gen: Any = m.get("generation")
     expect(isinstance(gen, str) and len(gen) == 16 and is_hex(gen), mpath, "bad generation id")
@@ -428,16 +437,10 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     expect(count == 0 or bool(classes), mpath, "records but no classes")
     for key in ("source", "options", "fingerprints", "decoder"):
         expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
-    _check_source(m["source"], mpath)
-    _check_layout(m["options"], mpath)
-    _check_options(m["options"], mpath)
-    for key in ("skipped", "warnings"):
-        entries = m.get(key)
-        expect(
-            isinstance(entries, list) and all(_is_entry(e) for e in entries),
-            mpath,
-            f"{key} must be a list of {{path, reason}} (and integer size, mtime_ns, state)",
-        )
+    check_source(m["source"], mpath, SOURCE_KINDS, MAX_PATH)
+    check_layout(m["options"], mpath)
+    check_options(m["options"], mpath)
+    check_entries(m, mpath, MAX_PATH)
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
@@ -478,7 +481,7 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
     try:
         raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise CacheNotFoundError(_no_manifest(folder)) from None
+        raise CacheNotFoundError(no_manifest(folder, MANIFEST_NAME, is_cache_file_name)) from None
     expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
     cost = manifest_parse_cost(raw)
     expect(cost <= MAX_MANIFEST_COST, mpath, f"{len(raw):,} bytes of JSON whose parse would "
@@ -491,63 +494,6 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
         raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
     expect(isinstance(m, dict), mpath, "expected a JSON object")
     return m
-
-
-def manifest_parse_cost(raw: bytes) -> int:
-    """About how many bytes of Python objects ``json.loads(raw)`` would make: a list or dict
-    (64 bytes and up), an item after a comma (a pointer, a slot: 32), a string (24 and up).
-    Counted over the raw bytes (inside strings too), so it errs high, never low."""
-    containers = raw.count(b"[") + raw.count(b"{")
-    return 64 * containers + 32 * raw.count(b",") + 24 * (raw.count(b'"') // 2)
-
-
-def _check_version(m: dict[str, Any], folder: Path, mpath: Path) -> tuple[int, int]:
-    """The magic, and a format version of this reader's major."""
-    expect(m.get("magic") == MAGIC, mpath, f"magic is {m.get('magic')!r}, expected {MAGIC!r}")
-    version: Any = m.get("format_version")
-    expect(
-        isinstance(version, list)
-        and len(version) == 2
-        and all(is_int(v, 0, 1 << 31) for v in version),
-        mpath,
-        f"format_version is {version!r}, expected [major, minor]",
-    )
-    if version[0] < FORMAT_VERSION[0]:
-        raise fail(mpath, f"written by a development version of mmcache (format "
-                   f"{version[0]}.{version[1]}), which this one does not read; rebuild it: "
-                   f"{_rebuild_command(m, folder)}")  # fmt: skip
-    if version[0] > FORMAT_VERSION[0]:
-        raise fail(
-            mpath,
-            f"format version {version[0]}.{version[1]} is not supported by this mmcache "
-            f"(it reads {FORMAT_VERSION[0]}.x); upgrade mmcache or rebuild the cache",
-        )
-    return version[0], version[1]
-
-
-def _rebuild_command(m: dict[str, Any], folder: Path) -> str:
-    """The command that rebuilds an old cache from its recorded source, into the same folder."""
-    source = m.get("source")
-    root: Any = source.get("root") if isinstance(source, dict) else None
-    root = shlex.quote(root) if is_name(root, MAX_PATH) else "SOURCE"
-    return f"mmcache build {root} {shlex.quote(str(folder))}"
-
-
-def _check_requires(requires: Any, mpath: Path) -> list[str]:
-    """The features the cache requires, every one of which this reader knows."""
-    expect(
-        isinstance(requires, list) and all(isinstance(f, str) for f in requires),
-        mpath,
-        f"requires is {requires!r}, expected a list of feature names",
-    )
-    unknown = [f for f in requires if f not in FEATURES]
-    if unknown:
-        raise fail(
-            mpath,
-            f"the cache requires {', '.join(map(repr, unknown))}, which this mmcache does not "
-            f"know (it knows {', '.join(FEATURES)}); upgrade mmcache or rebuild the cache",
-        )
-    return requires
 
 
 def _check_files(
@@ -581,27 +527,6 @@ def _check_files(
     return data_gen, sizes
 
 
-def _no_manifest(folder: Path) -> str:
-    """Why a folder without a manifest holds no cache, from what it does hold."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as e:
-        return f"{folder}: no cache here (the folder cannot be read: {e.strerror})"
-    strangers = [n for n in names if not is_cache_file_name(n)]
-    if strangers:
-        return (
-            f"{folder}: not an mmcache cache (it holds {strangers[0]!r}"
-            f"{' and more' if len(strangers) > 1 else ''}); a cache is the folder "
-            "`mmcache build SOURCE CACHE` writes"
-        )
-    if not names:
-        return f"{folder}: an empty folder, not a cache; `mmcache build SOURCE CACHE` makes one"
-    return (
-        f"{folder}: no finished cache here ({MANIFEST_NAME} is missing: a build was stopped "
-        "before it published, or is running now); run `mmcache build` again"
-    )
-
-
 def _data_generation(name: Any) -> str | None:
     """The ``<id>`` of a data file name ``data-<id>.bin``, or None if it is not one."""
     if not isinstance(name, str) or not is_generation_file_name(name):
@@ -610,85 +535,8 @@ def _data_generation(name: Any) -> str | None:
     return rest.partition(".")[0] if kind == "data" else None
 
 
-def _check_manifest_checksum(m: dict[str, Any], mpath: Path, has_fields: bool) -> dict[str, int]:
-    """The manifest's checksums after checking its own."""
-    checksums = m.get("checksums")
-    expected = {"index", "paths", "manifest"} | ({FIELDS_KIND} if has_fields else set())
-    expect(
-        isinstance(checksums, dict)
-        and set(checksums) == expected
-        and all(is_int(v, 0, 1 << 32) for v in checksums.values()),
-        mpath,
-        f"checksums missing or malformed (expected {{{', '.join(sorted(expected))}}} CRC-32s)",
-    )
-    assert isinstance(checksums, dict)  # checked above: narrows the type
-    try:
-        actual = manifest_checksum(m)
-    except ValueError as e:
-        raise fail(mpath, f"cannot be checked ({e})") from None
-    expect(
-        actual == checksums["manifest"],
-        mpath,
-        f"checksum mismatch (CRC-32 {actual:08x}, recorded {checksums['manifest']:08x}): "
-        "the manifest was damaged or edited; rebuild the cache",
-    )
-    return checksums
-
-
 # What a source can be: a folder, a list file, or an archive read in place (mmcache._archives).
 SOURCE_KINDS = ("folder", "list", "tar", "zip", "webdataset")
-
-
-def _check_source(source: dict[str, Any], mpath: Path) -> None:
-    kind = source.get("kind")
-    expect(
-        kind in SOURCE_KINDS, mpath, f"source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}"
-    )
-    keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
-    keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches
-    for key in keys:
-        expect(
-            is_name(source.get(key), MAX_PATH),
-            mpath,
-            f"source {key} must be a non-empty path without NUL, at most {MAX_PATH} long",
-        )
-
-
-def _check_layout(options: dict[str, Any], mpath: Path) -> None:
-    """The record layout and the masks' dtype are ones this reader knows."""
-    layout = options.get("pixels", "rgb")
-    expect(
-        px.known(layout),
-        mpath,
-        f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
-        f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",
-    )
-    mask = options.get("mask")
-    expect(
-        mask is None or mask in px.MASKS,
-        mpath,
-        f"records carry masks of {mask!r}, which this mmcache does not know; upgrade mmcache "
-        "or rebuild the cache",
-    )
-
-
-def _check_options(options: dict[str, Any], mpath: Path) -> None:
-    """The preprocessing options are ones this reader knows, of the types and ranges they can
-    have: every reader of the cache builds ``Options`` from them."""
-    try:
-        Options.from_json(options)
-    except (TypeError, ValueError) as e:
-        raise fail(mpath, f"options are not valid: {e}; rebuild the cache") from None
-
-
-def _is_entry(e: Any) -> bool:
-    """A skipped/warnings entry: {path, reason} strings, optional int64 size/mtime_ns/state."""
-    return (
-        isinstance(e, dict)
-        and is_name(e.get("path"), MAX_PATH)
-        and isinstance(e.get("reason"), str)
-        and all(is_int(e.get(k, 0), -(1 << 63), 1 << 63) for k in ("size", "mtime_ns", "state"))
-    )
 
 
 @dataclass

@@ -187,40 +187,18 @@ class BatchLoader:
         views: Sequence[tuple[Crop, int]] | None = None,
         return_params: bool = False,
     ) -> None:
-        check_dataset(dataset)
-        for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
-                            ("prefetch", prefetch)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-        if read not in ("auto", "mmap", "pread"):
-            raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
-        if batch_size < 1 or num_threads < 1 or prefetch < 1:
-            raise ValueError(
-                f"batch_size, num_threads and prefetch must be >= 1, got {batch_size}, "
-                f"{num_threads}, {prefetch}"
-            )
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if dataset.transform is not None or dataset.target_transform is not None:
-            raise ValueError(
-                "BatchLoader yields the stored pixels and labels: open the dataset without "
-                "transform/target_transform; crop with crop=, and transform the batches"
-            )
-        if crop is not None and not isinstance(crop, Crop):
-            raise ValueError(
-                f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}"
-            )
-        if crop is not None:
-            check_draws(crop)
-        if views is not None and crop is not None:
-            raise ValueError("pass crop= or views=, not both (one crop is views=[(crop, 1)])")
-        if views is not None and dataset.reader.annotated:
-            raise ValueError(
-                "views= of a cache with masks or boxes is not supported: its targets would need "
-                "moving with every view; use crop= (one view), or a cache without annotations"
-            )
-        if return_params and views is None:
-            raise ValueError("return_params=True needs views= (one crop is views=[(crop, 1)])")
+        _check_arguments(
+            dataset,
+            batch_size,
+            num_threads,
+            prefetch,
+            read,
+            shuffle,
+            sampler,
+            crop,
+            views,
+            return_params,
+        )
         self._view_crops = None if views is None else expand_views(views)  # checks them
         self.views = None if views is None else [(crop, int(n)) for crop, n in views]
         self.return_params = return_params
@@ -233,23 +211,7 @@ class BatchLoader:
         self.num_threads, self.prefetch = num_threads, prefetch
         self.crop, self.flip = crop, flip
         self.epoch = 0
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be a CPU or CUDA device, got {self.device}")
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {self.device} asked for, but CUDA is not available")
-            if self.device.index is None:  # this thread's device; the filling threads' is GPU 0
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            pin_memory = True  # an asynchronous host-to-device copy needs page-locked memory
-        if pin_memory and not torch.cuda.is_available():
-            warnings.warn(
-                "BatchLoader: pin_memory=True but CUDA is not available: "
-                "the buffers are ordinary (pageable) memory",
-                UserWarning,
-                stacklevel=2,
-            )
-            pin_memory = False
+        self.device, pin_memory = _device_and_pinning(device, pin_memory)
         self.pin_memory = pin_memory
         channels = _channels(dataset)
         self.normalize = None if normalize is None else Normalize(normalize, channels, dtype)
@@ -599,6 +561,80 @@ def check_dataset(dataset: Any) -> None:
             f"{os.fspath(dataset)!r}), ...)"
         )
     raise TypeError(f"BatchLoader takes a MemmapImageDataset, got {type(dataset).__name__}")
+
+
+def _check_arguments(
+    dataset: MemmapImageDataset,
+    batch_size: int,
+    num_threads: int,
+    prefetch: int,
+    read: str,
+    shuffle: bool,
+    sampler: Iterable[int] | None,
+    crop: Crop | None,
+    views: Sequence[tuple[Crop, int]] | None,
+    return_params: bool,
+) -> None:
+    """Refuse ``BatchLoader``'s arguments that are wrong alone or together, before any setup."""
+    check_dataset(dataset)
+    for name, value in (("batch_size", batch_size), ("num_threads", num_threads),
+                        ("prefetch", prefetch)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if read not in ("auto", "mmap", "pread"):
+        raise ValueError(f"read must be 'auto', 'mmap' or 'pread', got {read!r}")
+    if batch_size < 1 or num_threads < 1 or prefetch < 1:
+        raise ValueError(
+            f"batch_size, num_threads and prefetch must be >= 1, got {batch_size}, "
+            f"{num_threads}, {prefetch}"
+        )
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if dataset.transform is not None or dataset.target_transform is not None:
+        raise ValueError(
+            "BatchLoader yields the stored pixels and labels: open the dataset without "
+            "transform/target_transform; crop with crop=, and transform the batches"
+        )
+    if crop is not None and not isinstance(crop, Crop):
+        raise ValueError(
+            f"crop must be mmcache.RandomResizedCrop or CenterResizedCrop, got {crop!r}"
+        )
+    if crop is not None:
+        check_draws(crop)
+    if views is not None and crop is not None:
+        raise ValueError("pass crop= or views=, not both (one crop is views=[(crop, 1)])")
+    if views is not None and dataset.reader.annotated:
+        raise ValueError(
+            "views= of a cache with masks or boxes is not supported: its targets would need "
+            "moving with every view; use crop= (one view), or a cache without annotations"
+        )
+    if return_params and views is None:
+        raise ValueError("return_params=True needs views= (one crop is views=[(crop, 1)])")
+
+
+def _device_and_pinning(
+    device: torch.device | str | None, pin_memory: bool
+) -> tuple[torch.device, bool]:
+    """The device batches go to (a CUDA one given its index), and whether the buffers are
+    page-locked: always towards CUDA, never without it."""
+    torch_device = torch.device(device) if device is not None else torch.device("cpu")
+    if torch_device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {torch_device}")
+    if torch_device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {torch_device} asked for, but CUDA is not available")
+        if torch_device.index is None:  # this thread's device; the filling threads' is GPU 0
+            torch_device = torch.device("cuda", torch.cuda.current_device())
+        pin_memory = True  # an asynchronous host-to-device copy needs page-locked memory
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn(
+            "BatchLoader: pin_memory=True but CUDA is not available: "
+            "the buffers are ordinary (pageable) memory",
+            UserWarning,
+            stacklevel=3,  # BatchLoader's caller, past __init__
+        )
+        pin_memory = False
+    return torch_device, pin_memory
 
 
 def _channels(dataset: MemmapImageDataset) -> int:

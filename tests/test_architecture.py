@@ -174,3 +174,29 @@ def test_layout_names_are_compared_in_the_layout_module_only():
             if isinstance(node, ast.Compare) and _compares_layout_names(node):
                 offences.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert offences == []
+
+
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
+# Pending: these two are being split by the work that moves the sources into a package of
+# their own (mmcache/sources/); they leave this list when that lands, and nothing joins it.
+SIZE_ALLOWED = {"mmcache/_writer.py", "mmcache/_archives.py"}
+
+
+def test_no_module_or_function_is_too_long_to_read():
+    """No module over 700 lines and no function over 80 (its docstring counted): past that a
+    module holds several concepts and a function several steps, each of which wants a name."""
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in SIZE_ALLOWED:
+            continue
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            offences.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, rel)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    offences.append(f"{rel}:{node.lineno}: {node.name}, {length} lines")
+    assert offences == []
