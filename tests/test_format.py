@@ -100,6 +100,25 @@ MANIFESTS = [
      "records carry masks of 'float32'"),
     ("mask not a name", _set_option("mask", [8]), CacheFormatError,
      "records carry masks of [8]"),
+    ("generation 15 digits", _set("generation", "0123456789abcde"), CacheFormatError,
+     "bad generation id"),
+    ("generation not hex", _set("generation", "0123456789abcdeg"), CacheFormatError,
+     "bad generation id"),
+    ("count at the limit", _set("count", 1 << 40), CacheFormatError, f"bad count {1 << 40}"),
+    ("index dtype", _set("index_dtype", [["offset", "<u8"]]), CacheFormatError,
+     "index_dtype is not the layout of the spec"),
+    ("state dtype", _set("state_dtype", "u1"), CacheFormatError,
+     "state_dtype is not the layout of the spec"),
+    ("records but no classes", _set("classes", []), CacheFormatError, "records but no classes"),
+    ("source not an object", _set("source", ["folder"]), CacheFormatError,
+     "source must be an object"),
+    ("decoder not an object", _set("decoder", "opencv"), CacheFormatError,
+     "decoder must be an object"),
+    ("skipped not a list", _set("skipped", {"path": "a"}), CacheFormatError,
+     "skipped must be a list of {path, reason} (and integer size, mtime_ns, state)"),
+    ("a warning without reason", _set("warnings", [{"path": "a"}]), CacheFormatError,
+     "warnings must be a list of {path, reason} (and integer size, mtime_ns, state)"),
+    ("fields not a list", _set("fields", {"a": 1}), CacheFormatError, "fields"),
     ("size an object", _set_option("size", {"h": 2}), CacheFormatError,
      "options are not valid: size"),
     ("size empty", _set_option("size", []), CacheFormatError, "options are not valid: size"),
@@ -203,6 +222,21 @@ def test_every_feature_combination_is_written_as_the_one_version(
     assert image.shape[2] == 3 and image.dtype == np.uint8
 
 
+def test_only_keys_outside_the_spec_are_kept_as_extra(cache):
+    spec = {
+        "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
+        "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
+        "fingerprints", "decoder", "checksums", "fields", "requires",
+    }  # fmt: skip
+    m = _manifest(cache)
+    m["a_note_of_mine"] = {"kept": True}
+    _write_manifest(cache, m)
+    reseal(cache)
+    extra = fmt.read_manifest(cache).extra
+    assert extra["a_note_of_mine"] == {"kept": True}
+    assert set(extra) == set(m) - spec
+
+
 def test_files_that_are_no_object_are_refused_not_a_type_error(cache):
     m = _manifest(cache)
     m["files"] = 3  # found by the manifest fuzz test: `"fields" in 3` raised TypeError
@@ -242,6 +276,19 @@ def _overlap(index: np.ndarray) -> None:
     index["offset"][1] = index["offset"][0]
 
 
+def _last_record_at_the_data_file_s_last_block(index: np.ndarray, data_bytes: int) -> None:
+    index["offset"][3] = (data_bytes - 1) // fmt.DATA_ALIGN * fmt.DATA_ALIGN  # starts inside,
+    index["height"][3] = fmt.DATA_ALIGN  # and is longer than the block
+
+
+def _overlap_out_of_order(index: np.ndarray) -> None:
+    index["offset"][2] = index["offset"][0]  # records 0 and 2 share bytes; 2 comes before 1
+
+
+def _overlap_of_an_earlier_record(index: np.ndarray) -> None:
+    index["offset"][0] = index["offset"][2]  # 0 moves onto 2: 1 is first in the file
+
+
 # (id, edit of the index's records, resealed after, message fragment); all CacheFormatError
 INDEX = [
     ("height 0", _set_record("height", 0), "record 0: height, width or channels out of range"),
@@ -255,6 +302,21 @@ INDEX = [
     ("label", _set_record("label", 2, record=3), "record 3: label outside 0..1"),
     ("flags", _set_record("flags", 1), "record 0: reserved flags set"),
     ("empty path", _set_record("path_length", 0), "path length outside 1..4096 bytes"),
+    ("height too large", _set_record("height", fmt.MAX_SIDE + 1),
+     "record 0: height, width or channels out of range (1 such records)"),
+    ("0 channels", _set_record("channels", 0, record=1),
+     "record 1: height, width or channels out of range (1 such records)"),
+    # at each bound the record is in range, and then too large for the data file
+    ("height at the bound", _set_record("height", fmt.MAX_SIDE), "record ends past the data file"),
+    ("width at the bound", _set_record("width", fmt.MAX_SIDE), "record ends past the data file"),
+    ("4 channels", _set_record("channels", fmt.MAX_CHANNELS),
+     "record 1: record overlaps the one before it"),
+    ("the last record past the end", _last_record_at_the_data_file_s_last_block,
+     "record 3: record ends past the data file"),
+    ("overlap out of order", _overlap_out_of_order,
+     "record 2: record overlaps the one before it in the data file (1 such records)"),
+    ("overlap of an earlier record", _overlap_of_an_earlier_record,
+     "record 2: record overlaps the one before it in the data file (1 such records)"),
 ]  # fmt: skip
 
 
@@ -262,7 +324,10 @@ INDEX = [
 def test_a_malformed_index(cache, edit, fragment):
     path = cache / _manifest(cache)["files"]["index"]
     index = np.fromfile(path, dtype=fmt.INDEX_DTYPE)
-    edit(index)
+    if edit is _last_record_at_the_data_file_s_last_block:
+        edit(index, _manifest(cache)["sizes"]["data"])
+    else:
+        edit(index)
     index.tofile(path)
     reseal(cache)
     with pytest.raises(CacheFormatError, match=f"{path.name}: ") as e:
@@ -296,8 +361,9 @@ FILES = [
     ("paths cut", "paths", _cut_one_byte, "the file is truncated or was not fully written"),
     ("data cut", "data", _cut_one_byte, "the file is truncated or was not fully written"),
     ("index gone", "index", Path.unlink, "missing (the cache was rebuilt or damaged)"),
-    ("unknown state", "state", _state_code(99), "record 2: unknown record state"),
-    ("empty state in a build", "state", _state_code(fmt.EMPTY), "empty in a built cache"),
+    ("unknown state", "state", _state_code(99), "record 2: unknown record state (1 such records)"),
+    ("empty state in a build", "state", _state_code(fmt.EMPTY),
+     "record 2: empty in a built cache (1 such records)"),
     ("unsafe path", "paths", _unsafe_path, "stored path '../img_000.pn' is unsafe"),
 ]  # fmt: skip
 
@@ -313,6 +379,15 @@ def test_a_malformed_file(cache, kind, edit, fragment):
     with pytest.raises(CacheFormatError) as e:
         fmt.open_cache(cache)
     assert fragment in str(e.value)
+    if kind == "state":  # the file at fault is named
+        assert f"{path.name}: " in str(e.value)
+
+
+def test_every_known_state_code_is_read(cache):
+    path = cache / _manifest(cache)["files"]["state"]
+    _state_code(max(fmt.BAD_REASONS))(path)
+    reseal(cache)
+    assert fmt.open_cache(cache).state["state"][2] == max(fmt.BAD_REASONS)
 
 
 @pytest.mark.parametrize("kind", ["index", "paths"])
