@@ -635,16 +635,18 @@ def _check_manifest_checksum(m: dict[str, Any], mpath: Path, has_fields: bool) -
     return checksums
 
 
-# What a source can be: a folder, a list file, or an archive read in place (mmcache._archives).
-SOURCE_KINDS = ("folder", "list", "tar", "zip", "webdataset")
-
-
 def _check_source(source: dict[str, Any], mpath: Path) -> None:
+    # What a source can be is the table of mmcache.sources, asked here, when a manifest is
+    # read: its kinds read their bytes through the decoder, which imports this module.
+    from .sources.registry import SOURCES
+
     kind = source.get("kind")
     expect(
-        kind in SOURCE_KINDS, mpath, f"source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}"
+        isinstance(kind, str) and kind in SOURCES,
+        mpath,
+        f"source kind {kind!r} is not one of {', '.join(SOURCES)}",
     )
-    keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
+    keys: tuple[str, ...] = SOURCES[str(kind)].path_keys
     keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches
     for key in keys:
         expect(
