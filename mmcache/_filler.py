@@ -31,13 +31,13 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._archives import ARCHIVE_KINDS, MemberFinder, decode_member
 from ._files import fsync_dir, write_pixels, write_state
 from ._opening import create_exclusively, open_for_reading, open_for_writing
 from .annotations import recorded_mask_file
 from .decode import DEFAULT_MAX_PIXELS, Options, decode_record
 from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
 from .scan import IMAGE_EXTENSIONS
+from .sources import SOURCES, MemberFinder, decode_member
 from .space import disk_full_error
 
 
@@ -55,8 +55,8 @@ class RecordFiller:
             check_trusted_source(m)
         self.root = str(m.source.get("root", ""))
         # An archive's members are found by listing it again (their offsets are not recorded).
-        archive = m.source.get("kind") in ARCHIVE_KINDS
-        self.members = MemberFinder(m.source, IMAGE_EXTENSIONS) if archive else None
+        files_ = SOURCES[m.source["kind"]].reads_files
+        self.members = None if files_ else MemberFinder(m.source, IMAGE_EXTENSIONS)
         try:
             self.options = Options.from_json(m.options)
         except (TypeError, ValueError) as e:

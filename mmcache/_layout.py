@@ -8,6 +8,7 @@ known only once it is decoded, and its record is then appended after the planned
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -108,7 +109,7 @@ def probe_sizes(
             if listing.members is not None:  # an archive's member
                 size = listing.members.probe(i, int(listing.sizes[i]), exif)
             else:
-                size = probe_size(listing.abspath(i), exif)
+                size = probe_size(os.path.join(listing.root, listing.paths[i]), exif)
         except OSError:
             size = None
         if size is not None:

@@ -134,13 +134,19 @@ def check_manifest_checksum(
     return checksums
 
 
-def check_source(
-    source: dict[str, Any], mpath: Path, kinds: tuple[str, ...], max_path: int
-) -> None:
-    """The source's kind is one of ``kinds``, and its paths are names."""
+def check_source(source: dict[str, Any], mpath: Path, max_path: int) -> None:
+    """The source's kind is one of mmcache.sources' table, and its paths are names."""
+    # Asked here, when a manifest is read: the kinds read their bytes through the decoder,
+    # which imports the format, so the table cannot be imported with this module.
+    from .sources.registry import SOURCES
+
     kind = source.get("kind")
-    expect(kind in kinds, mpath, f"source kind {kind!r} is not one of {', '.join(kinds)}")
-    keys: tuple[str, ...] = ("root", "list_file") if kind == "list" else ("root",)
+    expect(
+        isinstance(kind, str) and kind in SOURCES,
+        mpath,
+        f"source kind {kind!r} is not one of {', '.join(SOURCES)}",
+    )
+    keys: tuple[str, ...] = SOURCES[str(kind)].path_keys
     keys += tuple(k for k in ("masks", "coco") if k in source)  # annotated caches
     for key in keys:
         expect(

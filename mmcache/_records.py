@@ -25,12 +25,12 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._archives import ARCHIVE_KINDS
 from ._filler import RecordFiller, lost_fill_markers
 from ._opening import open_for_reading
 from .decode import undecodable_reason
 from .errors import CacheFormatError, DecodeError
 from .residency import memory
+from .sources import SOURCES
 
 # How often a reader looks again whether its data file fits in the RAM available (psutil and
 # the cgroup's files: tens of microseconds, too much for every read).
@@ -400,7 +400,7 @@ class RecordReader:
         path = os.path.join(root, self.files.path(i))
         code = int(self.codes[i])
         reason = fmt.BAD_REASONS.get(code, "unknown state")
-        archive = self.manifest.source.get("kind") in ARCHIVE_KINDS  # no file to look at
+        archive = not SOURCES[self.manifest.source["kind"]].reads_files  # no file to look at
         if code == fmt.BAD_UNDECODABLE and not archive:
             reason = undecodable_reason(path)  # what the file is, when it is still there
         return f"{path}: {reason}"

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
-from ._archives import RecordedMembers
 from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
 from .scan import Listing, diff_listings, scan_within, source_exists
+from .sources import Members
 
 
 def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
@@ -134,7 +134,7 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
     """
     if listing.annotations is not None:
         return None  # masks and a COCO file lie outside the source: the full check sees them
-    if isinstance(listing.members, RecordedMembers):
+    if listing.members is not None and not isinstance(listing.members, Members):
         return None  # a cache's own records, not a listing: no archive's stats were taken
     if listing.members is not None:
         archives = listing.members.archives

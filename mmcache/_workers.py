@@ -32,12 +32,12 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._archives import decode_member, is_member
 from ._files import write_pixels
 from ._opening import open_for_writing
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
 from .reports import ProgressFn
+from .sources import Address, decode_member
 
 # Records per chunk sent to a worker: large enough that the per-chunk overhead (~100 us)
 # vanishes next to a decode (~2 ms for 720x480), small enough to balance the last chunks.
@@ -58,7 +58,7 @@ class Job(NamedTuple):
     """One record to decode: where its file is, what it was listed as, where its pixels go."""
 
     record: int  # its index in the cache
-    path: str  # the source file, absolute
+    path: str | Address  # the source file, absolute, or the archive member's address
     offset: int  # where its pixels start in the data file
     shape: tuple[int, int, int]  # (height, width, channels) planned from the file's header
     size: int  # the file's size when listed, in bytes
@@ -427,7 +427,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pa
 
 
 def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Result:
-    if is_member(job.path):  # an archive's member
+    if not isinstance(job.path, str):  # an archive's member
         code, crc, message, pixels = decode_member(job.path, job.size, job.mtime_ns, opts, capture)
     else:
         code, crc, message, pixels = decode_record(

@@ -27,7 +27,6 @@ import numpy as np
 from . import _generation as generation
 from . import format as fmt
 from . import pixels as px
-from ._archives import ARCHIVE_KINDS, RecordedMembers
 from ._feedback import human_bytes
 from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
@@ -72,7 +71,8 @@ from .errors import (
     StrictBuildError,
 )
 from .reports import BuildReport, ProgressFn
-from .scan import IMAGE_EXTENSIONS, Listing, scan_source
+from .scan import Listing, scan_source
+from .sources import SOURCES
 from .space import (
     check_free_space,
     disk_bytes,
@@ -733,10 +733,10 @@ def _recorded_listing(files: fmt.CacheFiles) -> Listing:
         mtimes=files.index["source_mtime_ns"].astype(np.int64),
         annotations=recorded_annotations(files),
     )
-    if listing.kind in ARCHIVE_KINDS:  # members are found by listing the archive again
-        listing.members = RecordedMembers(
-            m.source, IMAGE_EXTENSIONS, listing.paths, listing.sizes, listing.mtimes
-        )
+    # An archive's members are found by listing it again; a file lies at its path.
+    listing.members = SOURCES[listing.kind].recorded(
+        m.source, listing.paths, listing.sizes, listing.mtimes
+    )
     return listing
 
 

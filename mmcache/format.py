@@ -437,7 +437,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     expect(count == 0 or bool(classes), mpath, "records but no classes")
     for key in ("source", "options", "fingerprints", "decoder"):
         expect(isinstance(m.get(key), dict), mpath, f"{key} must be an object")
-    check_source(m["source"], mpath, SOURCE_KINDS, MAX_PATH)
+    check_source(m["source"], mpath, MAX_PATH)
     check_layout(m["options"], mpath)
     check_options(m["options"], mpath)
     check_entries(m, mpath, MAX_PATH)
@@ -535,8 +535,6 @@ def _data_generation(name: Any) -> str | None:
     return rest.partition(".")[0] if kind == "data" else None
 
 
-# What a source can be: a folder, a list file, or an archive read in place (mmcache._archives).
-SOURCE_KINDS = ("folder", "list", "tar", "zip", "webdataset")
 
 
 @dataclass

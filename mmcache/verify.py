@@ -19,7 +19,6 @@ import numpy as np
 
 from . import _writer as writer
 from . import format as fmt
-from ._archives import ARCHIVE_KINDS, RecordedMembers, member_file
 from ._filler import check_trusted_source, lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
 from ._opening import open_for_reading
@@ -27,7 +26,7 @@ from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
-from .scan import IMAGE_EXTENSIONS
+from .sources import SOURCES, member_file
 
 __all__ = ["repair_cache", "verify_cache"]
 
@@ -266,10 +265,9 @@ def _compare_source(
     except (TypeError, ValueError) as e:
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
     root = Path(m.source["root"])
-    members = None
-    if m.source.get("kind") in ARCHIVE_KINDS:  # found by listing the archive again
-        sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
-        members = RecordedMembers(m.source, IMAGE_EXTENSIONS, files.paths(), sizes, mtimes)
+    sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
+    # An archive's members are found by listing it again; a file lies at its path.
+    members = SOURCES[m.source["kind"]].recorded(m.source, files.paths(), sizes, mtimes)
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}

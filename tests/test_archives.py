@@ -283,7 +283,7 @@ def test_verify_and_repair_read_the_members_again(tmp_path, src):
 
 @pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_the_header_parser_reads_what_tarfile_reads(tmp_path, form, monkeypatch):
-    import mmcache._archives as archives
+    import mmcache.sources.archive as archives
 
     image = write_image(tmp_path / "i.png", 9, 7).read_bytes()
     tar = tmp_path / "t.tar"
@@ -392,7 +392,7 @@ def _members_tar(form: int) -> bytes:
 def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form):
     # The fallback reads the headers only tarfile reads (sparse, multi-volume), through a window
     # on the outer file: from an inner tar at an offset, every member as the parser gives it.
-    from mmcache._tar import read_by_tarfile, read_headers
+    from mmcache.sources.tar_headers import read_by_tarfile, read_headers
 
     inner = _members_tar(form)
     path = tmp_path / "outer"
@@ -423,8 +423,8 @@ def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form)
 def test_a_cache_s_recorded_members_probe_as_the_listed_ones(tmp_path, src):
     # Both kinds of a Listing's ``members`` are called ``probe(i, size, exif)``; the recorded
     # ones (repair's listing) once took no size, and a repair that probed one failed.
-    from mmcache._archives import RecordedMembers
     from mmcache.scan import IMAGE_EXTENSIONS
+    from mmcache.sources import RecordedMembers
 
     tar = tar_of(src, tmp_path / "train.tar")
     build_cache(tar, tmp_path / "cache", workers=0)

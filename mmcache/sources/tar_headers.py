@@ -16,7 +16,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .errors import SourceError
+from ..errors import SourceError
 
 
 def broken(where: str, what: str) -> SourceError:
