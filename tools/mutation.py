@@ -42,14 +42,14 @@ def environment(scratch: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("module", help="a module of mmcache/, without .py: transforms, _tar, ...")
+    parser.add_argument("module", help="a module of mmcache/, without .py: transforms, sources/tar_headers, ...")
     parser.add_argument("tests", nargs="+", help="the test files that should catch its bugs")
     parser.add_argument("--max-children", type=int, default=2, help="mutants run at once")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--only", nargs="+", default=[], metavar="GLOB",
                         help="only these mutants: mmcache.transforms.x_resized_crop*, ...")
     args = parser.parse_args(argv)
-    scratch = Path(tempfile.mkdtemp(prefix=f"mutation-{args.module}-"))
+    scratch = Path(tempfile.mkdtemp(prefix=f"mutation-{args.module.replace('/', '.')}-"))
     try:
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
         for folder in ("mmcache", "tests", "tools"):
