@@ -42,7 +42,9 @@ def environment(scratch: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("module", help="a module of mmcache/, without .py: transforms, sources/tar_headers, ...")
+    parser.add_argument(
+        "module", help="a module of mmcache/, without .py: transforms, sources/tar_headers, ..."
+    )
     parser.add_argument("tests", nargs="+", help="the test files that should catch its bugs")
     parser.add_argument("--max-children", type=int, default=2, help="mutants run at once")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")

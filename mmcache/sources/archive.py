@@ -169,8 +169,8 @@ def tar_members(
     """``(clean name, row, is a folder)`` of each regular member and folder of the tar lying at
     ``[start, start + size)`` of ``path``; links and special files noted and left out.
 
-    The headers are read by ``mmcache.sources.tar_headers``: by its own parser, or by ``tarfile`` for the
-    kinds of header only ``tarfile`` reads.
+    The headers are read by ``mmcache.sources.tar_headers``: by its own parser, or by
+    ``tarfile`` for the kinds of header only ``tarfile`` reads.
 
     Raises:
         SourceError: the tar is truncated or damaged.
