@@ -134,9 +134,9 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
     """
     if listing.annotations is not None:
         return None  # masks and a COCO file lie outside the source: the full check sees them
-    if listing.members is not None and not isinstance(listing.members, Members):
-        return None  # a cache's own records, not a listing: no archive's stats were taken
     if listing.members is not None:
+        if not isinstance(listing.members, Members):
+            return None  # a cache's own records, not a listing: no archive's stats were taken
         archives = listing.members.archives
         return {"archives": {a: list(st) for a, st in zip(archives, listing.members.stats)}}
     if listing.kind != "folder":

@@ -134,11 +134,11 @@ class Options:
             ValueError: ``d`` is not such a record (a damaged or forged manifest): an unknown
                 option, or a value of another type or range than ``to_json`` writes.
         """
+        specs = {spec.name: spec for spec in OPTION_FLAGS}
         for name, value in d.items():
-            kind = _STORED_KINDS.get(name)
-            if kind is None:
+            if name not in specs:
                 raise ValueError(f"unknown option {name!r}")
-            if not kind(value):
+            if not specs[name].stored(value):
                 raise ValueError(f"{name} {value!r} is not an option value")
         return cls(**d)
 
@@ -173,40 +173,6 @@ class Options:
         elif self.short_side is not None and min(h, w) > self.short_side:
             h, w = _scale_to(h, w, min(h, w), self.short_side)
         return h, w, self.channels
-
-
-def _positive_int(v: Any) -> bool:
-    return type(v) is int and v >= 1
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-# The JSON type of each option as ``to_json`` writes it (ranges and names are ``Options``' to
-# check): what ``from_json`` accepts from a manifest, so that a forged value is refused by name
-# rather than failing later with a KeyError or TypeError far from its cause.
-_STORED_KINDS: dict[str, Callable[[Any], bool]] = {
-    "size": _optional(lambda v: isinstance(v, list) and len(v) == 2 and all(map(_positive_int, v))),
-    "max_side": _optional(_positive_int),
-    "short_side": _optional(_positive_int),
-    "interpolation": _is_str,
-    "color": _is_str,
-    "max_pixels": _optional(_positive_int),
-    "reduced_decode": _is_bool,
-    "pixels": _is_str,
-    "keep_truncated": _is_bool,
-    "mask": _optional(_is_str),
-    "exif_orientation": _is_bool,
-}
 
 
 def _scale_to(h: int, w: int, side: int, target: int) -> tuple[int, int]:
@@ -247,6 +213,26 @@ def height_width(text: str) -> tuple[int, int]:
     return height, width
 
 
+def _positive_int(v: Any) -> bool:
+    return type(v) is int and v >= 1
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _pair_of_positive_ints(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(map(_positive_int, v))
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
 def _wxh(size: tuple[int, int]) -> str:
     return f"{size[1]}x{size[0]}"
 
@@ -264,6 +250,10 @@ class OptionFlag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     implied: tuple[Any, ...] = ()  # values, besides the default, that flags() need not write
+    # The JSON type of the value as to_json writes it (ranges and names are Options' to check):
+    # what from_json accepts from a manifest, so that a forged value is refused by name rather
+    # than failing later with a KeyError or TypeError far from its cause.
+    stored: Callable[[Any], bool] = _is_str
 
 
 # The fields of which at most one is set: each keeps or sets the size its own way.
@@ -272,15 +262,15 @@ SIZE_POLICIES = ("size", "max_side", "short_side")
 OPTION_FLAGS = (
     OptionFlag(
         "size", "--size", "resize to exactly WxH (width x height)", height_width, _wxh,
-        metavar="WxH",
+        metavar="WxH", stored=_optional(_pair_of_positive_ints),
     ),
     OptionFlag(
         "max_side", "--max-side", "shrink so the longer side is at most N", whole_number,
-        metavar="N",
+        metavar="N", stored=_optional(_positive_int),
     ),
     OptionFlag(
         "short_side", "--short-side", "shrink so the shorter side is at most N", whole_number,
-        metavar="N",
+        metavar="N", stored=_optional(_positive_int),
     ),
     OptionFlag(
         "interpolation", "--interpolation",
@@ -296,13 +286,13 @@ OPTION_FLAGS = (
     OptionFlag(
         "max_pixels", "--max-pixels",
         f"refuse larger images without decoding them (default {DEFAULT_MAX_PIXELS:,})",
-        whole_number, metavar="N",
+        whole_number, metavar="N", stored=_optional(_positive_int),
     ),
     OptionFlag(
         "reduced_decode", "--reduced-decode",
         "decode JPEGs shrunk 2x or more at 1/2, 1/4 or 1/8 scale: faster, pixels differ "
         "slightly from the full decode (recorded in the cache)",
-        None,
+        None, stored=_is_bool,
     ),
     OptionFlag(
         "pixels", "--pixels",
@@ -313,14 +303,14 @@ OPTION_FLAGS = (
     OptionFlag(
         "keep_truncated", "--keep-truncated",
         "keep JPEGs cut short, their missing part grey (default: skip them as truncated)",
-        None,
+        None, stored=_is_bool,
     ),
     # uint8 is what --masks stores by default: flags() leaves it out.
     OptionFlag(
         "mask", "--mask-dtype",
         "how masks are stored (default uint8; uint16 for over 256 classes)",
-        choices=px.MASKS, implied=("uint8",),
+        choices=px.MASKS, implied=("uint8",), stored=_optional(_is_str),
     ),
     # No flag: --masks and --coco turn it off, so that annotations line up with the pixels.
-    OptionFlag("exif_orientation", None, parse=None),
+    OptionFlag("exif_orientation", None, parse=None, stored=_is_bool),
 )  # fmt: skip
