@@ -29,6 +29,8 @@ from .errors import (
     MixedShapesError,
     NotACacheError,
     OptionsChangedError,
+    RemoteAccessError,
+    RemoteError,
     SourceChangedError,
     SourceError,
     StaleCacheWarning,
@@ -38,11 +40,14 @@ from .errors import (
 )
 from .pixels import yuv420_to_rgb
 from .plan import CachePlan, check_free_space, plan_cache
+from .remote import pull_cache, push_cache
 from .reports import (
     BadRecord,
     BuildReport,
     CacheInfo,
     CopyReport,
+    PullReport,
+    PushReport,
     RepairReport,
     VerifyReport,
     WarmReport,
@@ -90,9 +95,13 @@ __all__ = [
     "NotACacheError",
     "Options",
     "OptionsChangedError",
+    "PullReport",
+    "PushReport",
     "QuasiRandomSampler",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "RemoteAccessError",
+    "RemoteError",
     "RepairReport",
     "SourceChangedError",
     "SourceError",
@@ -112,6 +121,8 @@ __all__ = [
     "decode_image",
     "evict_cache",
     "plan_cache",
+    "pull_cache",
+    "push_cache",
     "repair_cache",
     "scan_source",
     "verify_cache",

@@ -164,11 +164,17 @@ def write_manifest(manifest: Manifest) -> None:
     The checksums of the index and paths files are computed here, from the files as written, so
     every writer's manifest carries them.
     """
-    folder = manifest.path
     m = manifest_json(manifest)
     summed = [kind for kind in manifest.file_kinds if kind not in ("state", "data")]
     m["checksums"] = {kind: file_crc32(manifest.file(kind)) for kind in summed}
     m["checksums"]["manifest"] = manifest_checksum(m)
+    publish_manifest(manifest.path, m)
+    manifest.checksums = m["checksums"]
+    manifest.format_version = FORMAT_VERSION
+
+
+def publish_manifest(folder: Path, m: dict[str, Any]) -> None:
+    """Write the manifest object ``m`` as ``folder``'s ``manifest.json``, atomically."""
     # A random name, created exclusively: nothing planted under a name it could guess is used.
     tmp = folder / f"{MANIFEST_NAME}.tmp{secrets.token_hex(8)}"
     fd = create_exclusively(tmp)
@@ -182,8 +188,6 @@ def write_manifest(manifest: Manifest) -> None:
         with suppress(FileNotFoundError):
             os.unlink(tmp)  # a disk that filled up mid-write leaves no half manifest behind
         raise
-    manifest.checksums = m["checksums"]
-    manifest.format_version = FORMAT_VERSION
     fsync_dir(folder)
 
 
@@ -284,23 +288,26 @@ def retire(previous: Manifest, current: Manifest) -> None:
                 os.unlink(previous.file(kind))
 
 
-def remove_stale_generations(folder: Path, current: CacheFiles | None) -> CacheFiles | None:
+def remove_stale_generations(
+    folder: Path, current: CacheFiles | None, resumed: Manifest | None = None
+) -> CacheFiles | None:
     """Delete what killed writers left: the files of every generation but ``current``'s,
     temporary manifests, and bytes appended to ``current``'s data file past its
     ``sizes["data"]``; and undo what a power cut left (``scrub_lost_fills``). Only a writer
     holding the lock may call it (no other generation is being written then, and no generation
     of a longer data file is published). Returns ``current`` with its record states as they
-    are now."""
+    are now. ``resumed``: a generation being written again (a pull), whose files are kept."""
     keep = {MANIFEST_NAME, LOCK_NAME}
-    if current is not None:
-        keep |= {current.manifest.file(kind).name for kind in current.manifest.file_kinds}
+    for m in (current.manifest if current else None, resumed):
+        keep |= {m.file(kind).name for kind in m.file_kinds} if m else set()
     for name in os.listdir(folder):  # generation files, and manifests half written
         if is_cache_file_name(name) and name not in keep and not is_fill_marker_name(name):
             with suppress(FileNotFoundError):
                 os.unlink(folder / name)
     if current is None:
         return None
-    cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
+    if resumed is None or resumed.file("data") != current.manifest.file("data"):
+        cut_data_file(current.manifest.file("data"), current.manifest.sizes["data"])
     return scrub_lost_fills(current)
 
 

@@ -22,6 +22,8 @@ __all__ = [
     "MixedShapesError",
     "NotACacheError",
     "OptionsChangedError",
+    "RemoteAccessError",
+    "RemoteError",
     "SourceChangedError",
     "SourceError",
     "StaleCacheWarning",
@@ -116,3 +118,12 @@ class StateMismatchError(CacheError, ValueError):
 
 class BadImageWarning(UserWarning):
     """A dataset with ``on_bad="substitute"`` returned another image in place of a bad one."""
+
+
+class RemoteError(CacheError, ConnectionError):
+    """An object store that could not be reached or read, for longer than the retries allow;
+    or a URL that names no store mmcache can use."""
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """An object store that refused the credentials, or access to the bucket."""

@@ -194,8 +194,8 @@ __all__ = [
     "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest",
     "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
     "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "manifest_checksum",
-    "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
-    "validate_records",
+    "json_object", "manifest_from_json", "open_cache", "read_cache_files", "read_manifest",
+    "record_nbytes", "record_shapes", "validate_records",
 ]  # fmt: skip
 
 MAGIC = "mmcache"
@@ -416,7 +416,13 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     """
     folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
-    m = _load_manifest_json(folder, mpath)
+    return manifest_from_json(_load_manifest_json(folder, mpath), folder, mpath)
+
+
+def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest:
+    """Check a manifest's JSON object ``m`` (as ``read_manifest``), naming ``mpath`` in errors;
+    its files are in ``folder``. For manifests that are not a local file (an object store's).
+    """
     version = check_version(m, folder, mpath, MAGIC, FORMAT_VERSION, MAX_PATH)
     requires = check_requires(m.get("requires"), mpath, FEATURES)
     files: Any = m.get("files")
@@ -482,6 +488,11 @@ def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
         raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CacheNotFoundError(no_manifest(folder, MANIFEST_NAME, is_cache_file_name)) from None
+    return json_object(raw, mpath)
+
+
+def json_object(raw: bytes, mpath: Path) -> dict[str, Any]:
+    """The JSON object ``raw`` (a manifest), parsed within the bounds a manifest has."""
     expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
     cost = manifest_parse_cost(raw)
     expect(cost <= MAX_MANIFEST_COST, mpath, f"{len(raw):,} bytes of JSON whose parse would "
@@ -533,8 +544,6 @@ def _data_generation(name: Any) -> str | None:
         return None
     kind, _, rest = name.partition("-")
     return rest.partition(".")[0] if kind == "data" else None
-
-
 
 
 @dataclass

@@ -18,6 +18,8 @@ __all__ = [
     "CopyReport",
     "Memory",
     "ProgressFn",
+    "PullReport",
+    "PushReport",
     "RepairReport",
     "VerifyReport",
     "WarmReport",
@@ -263,3 +265,39 @@ class WarmReport:
     @property
     def resident_share(self) -> float:
         return self.resident_after / self.data_bytes if self.data_bytes else 1.0
+
+
+@dataclass
+class PushReport:
+    """What a push did: ``bytes`` is the cache's size, ``uploaded`` what was sent (objects the
+    store already held with the same content are not sent again)."""
+
+    cache: Path
+    url: str
+    images: int
+    bytes: int
+    uploaded: int
+    objects_uploaded: int
+    objects_kept: int
+    objects_deleted: int
+    seconds: float
+
+
+@dataclass
+class PullReport:
+    """What a pull did: ``fetched`` bytes came from the store; ``present`` records were in the
+    local folder already (a resumed or incremental pull), each checked against its CRC-32."""
+
+    url: str
+    dest: Path
+    images: int
+    bytes: int
+    fetched: int
+    fetched_records: int
+    present: int
+    seconds: float
+    up_to_date: bool = False
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.fetched / self.seconds if self.seconds > 0 else 0.0

@@ -22,13 +22,13 @@ from typing import cast
 from .. import pixels as px
 from .._version import __version__
 from ..errors import CacheError
-from . import build, compact, copy, demo, evict, info, plan, verify, warm
+from . import build, compact, copy, demo, evict, info, plan, pull, push, verify, warm
 from ._shared import Commands, notes_shown, one_line
 
 __all__ = ["main"]
 
 # The subcommands, in the order `mmcache --help` lists them: each module adds its own.
-COMMANDS = (build, verify, copy, plan, demo, info, warm, compact, evict)
+COMMANDS = (build, verify, copy, push, pull, plan, demo, info, warm, compact, evict)
 
 
 class _Parser(argparse.ArgumentParser):
