@@ -17,7 +17,8 @@ class Source(Protocol):
 
     A kind's samples are read through ``Listing.abspath`` (a file's path, or an archive
     member's ``MemberAddress``); what its build records for the quick staleness check is in the
-    listing (``Listing.members`` for archives). Register a new kind with ``registry.register``.
+    listing (``Listing.members`` for archives, the folders above its files when
+    ``folder_stamps``). Register a new kind with ``registry.register``.
     """
 
     # The name a manifest records as ``source["kind"]``.
@@ -27,6 +28,10 @@ class Source(Protocol):
     # Whether each sample is a file at its path under the root, read by its path (False: an
     # archive's member, found by ``recorded``).
     reads_files: bool
+    # Whether the quick staleness check may stand on the mtimes of the folders above its files
+    # (a file added, removed or renamed changes one); False: only a full scan sees a change (a
+    # list file's files lie anywhere, an archive is stamped by its own size and mtime).
+    folder_stamps: bool
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         """Whether ``source``, as given to ``scan_source``, is of this kind."""

@@ -16,6 +16,7 @@ class Folder:
     kind = "folder"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = True
+    folder_stamps = True
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         return True

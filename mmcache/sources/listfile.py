@@ -18,6 +18,7 @@ class ListFile:
     kind = "list"
     path_keys: tuple[str, ...] = ("root", "list_file")
     reads_files = True
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         return Path(source).expanduser().is_file()

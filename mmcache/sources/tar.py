@@ -32,6 +32,7 @@ class Tar:
     kind = "tar"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = False
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         path = Path(os.fspath(source)).expanduser()

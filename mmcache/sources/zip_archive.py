@@ -23,6 +23,7 @@ class Zip:
     kind = "zip"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = False
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         path = Path(os.fspath(source)).expanduser()
