@@ -54,9 +54,11 @@ class RecordFiller:
         if not source_given:
             check_trusted_source(m)
         self.root = str(m.source.get("root", ""))
-        # An archive's members are found by listing it again (their offsets are not recorded).
-        files_ = SOURCES[m.source["kind"]].reads_files
-        self.members = None if files_ else MemberFinder(m.source, IMAGE_EXTENSIONS)
+        # An archive's members are found by listing it again (their offsets are not recorded);
+        # a kind that reads its files itself gives its reader.
+        source = SOURCES[m.source["kind"]]
+        self.members = None if source.reads_files else MemberFinder(m.source, IMAGE_EXTENSIONS)
+        self.reader = source.images
         try:
             self.options = Options.from_json(m.options)
         except (TypeError, ValueError) as e:
@@ -102,8 +104,9 @@ class RecordFiller:
         elif self.members is None:
             mask = recorded_mask_file(self.files, i)
             code, crc, _, pixels = decode_record(
-                os.path.join(self.root, rel), size, mtime, self.options, mask=mask
-            )
+                os.path.join(self.root, rel), size, mtime, self.options, mask=mask,
+                reader=self.reader,
+            )  # fmt: skip
         else:
             ref = self.members.ref(rel, size, mtime)
             code, crc, _, pixels = decode_member(ref, size, mtime, self.options)

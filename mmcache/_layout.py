@@ -16,7 +16,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from .decode import Options
+from .decode import Options, sample_size
 from .probe import probe_size
 from .reports import ProgressFn
 from .scan import Listing
@@ -104,10 +104,13 @@ def probe_sizes(
     records = np.arange(len(listing)) if records is None else records
     n = len(records)
     hw = np.zeros((n, 2), np.int64)
+    reader = listing.images  # a kind that reads its files itself says their sizes
     for k, i in enumerate(records.tolist()):
         try:
             if listing.members is not None:  # an archive's member
                 size = listing.members.probe(i, int(listing.sizes[i]), exif)
+            elif reader is not None:
+                size = sample_size(reader, os.path.join(listing.root, listing.paths[i]))
             else:
                 size = probe_size(os.path.join(listing.root, listing.paths[i]), exif)
         except OSError:

@@ -400,9 +400,11 @@ class RecordReader:
         path = os.path.join(root, self.files.path(i))
         code = int(self.codes[i])
         reason = fmt.BAD_REASONS.get(code, "unknown state")
-        archive = not SOURCES[self.manifest.source["kind"]].reads_files  # no file to look at
-        if code == fmt.BAD_UNDECODABLE and not archive:
-            reason = undecodable_reason(path)  # what the file is, when it is still there
+        kind = SOURCES[self.manifest.source["kind"]]
+        # What the file is, when it is still there and OpenCV failed on it (an archive's member
+        # has no file to look at; a kind that reads its files itself judges them itself).
+        if code == fmt.BAD_UNDECODABLE and kind.reads_files and kind.images is None:
+            reason = undecodable_reason(path)
         return f"{path}: {reason}"
 
     def source_paths(self) -> list[str]:

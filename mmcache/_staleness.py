@@ -20,7 +20,7 @@ from . import format as fmt
 from .annotations import annotate
 from .decode import Options, decoder_accepted, decoder_fingerprint, decoder_versions
 from .scan import Listing, diff_listings, scan_within, source_exists
-from .sources import Members
+from .sources import SOURCES, Members
 
 
 def fingerprints(listing: Listing, opts: Options) -> dict[str, str]:
@@ -139,8 +139,8 @@ def source_stamps(listing: Listing, scanned_ns: int) -> dict[str, Any] | None:
             return None  # a cache's own records, not a listing: no archive's stats were taken
         archives = listing.members.archives
         return {"archives": {a: list(st) for a, st in zip(archives, listing.members.stats)}}
-    if listing.kind != "folder":
-        return None  # a list's files lie anywhere: only the full check sees them
+    if not SOURCES[listing.kind].folder_stamps:
+        return None  # its files lie anywhere (a list's): only the full check sees them
     folders = {""}
     for d in {p.rpartition("/")[0] for p in listing.paths}:  # each file's folder, once
         while d not in folders:

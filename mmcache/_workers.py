@@ -37,7 +37,7 @@ from ._opening import open_for_writing
 from .decode import Options, StderrCapture, decode_record
 from .errors import DecodeWorkerError
 from .reports import ProgressFn
-from .sources import Address, decode_member
+from .sources import Address, ImageReader, decode_member
 
 # Records per chunk sent to a worker: large enough that the per-chunk overhead (~100 us)
 # vanishes next to a decode (~2 ms for 720x480), small enough to balance the last chunks.
@@ -65,6 +65,9 @@ class Job(NamedTuple):
     mtime_ns: int  # the file's modification time when listed
     # Its mask's (absolute path, size, mtime_ns) as listed, when records carry masks.
     mask: tuple[str, int, int] | None = None
+    # Its kind's reader of its file, when OpenCV does not decode it (``Source.images``): it
+    # crosses to the worker by pickle, so its class's module is imported there by name.
+    reader: ImageReader | None = None
 
     @property
     def end(self) -> int:
@@ -431,7 +434,7 @@ def _decode_job(fd: int, opts: Options, capture: StderrCapture, job: Job) -> Res
         code, crc, message, pixels = decode_member(job.path, job.size, job.mtime_ns, opts, capture)
     else:
         code, crc, message, pixels = decode_record(
-            job.path, job.size, job.mtime_ns, opts, capture, job.mask
+            job.path, job.size, job.mtime_ns, opts, capture, job.mask, reader=job.reader
         )
     if code != fmt.FILLED:
         return Result(job.record, code, 0, message, None)

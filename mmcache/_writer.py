@@ -354,6 +354,7 @@ class Generation:
         """Decode jobs for ``records``, in the chunks the workers take."""
         listing, layout = self.listing, self.layout
         annotations = listing.annotations
+        reader = listing.images  # a kind that reads its files itself, or None
         return chunked(
             [
                 Job(
@@ -364,6 +365,7 @@ class Generation:
                     size=int(listing.sizes[i]),
                     mtime_ns=int(listing.mtimes[i]),
                     mask=None if annotations is None else annotations.mask_file(i),
+                    reader=reader,
                 )
                 for i in records
             ]

@@ -25,7 +25,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
@@ -37,6 +37,9 @@ from .annotations import mask_record
 from .errors import DecodeError
 from .options import COLORS, DEFAULT_MAX_PIXELS, INTERPOLATIONS, Options
 from .probe import declared_size, probe_size, sniff_format
+
+if TYPE_CHECKING:  # (the sources read their bytes through this module)
+    from .sources.base import ImageReader
 
 # COLORS, DEFAULT_MAX_PIXELS, INTERPOLATIONS and Options are defined in .options, with the
 # table of their flags; this module decodes with them, and its users have always found them here.
@@ -127,6 +130,45 @@ def read_image(
                         return img, native
         img = cv2.imread(name, read_flags(options))
     return img, None if img is None else img.shape[:2]
+
+
+def sample_size(reader: ImageReader, path: str) -> tuple[int, int] | None:
+    """``reader.size(path)`` (a kind's ``Source.images``), or None when it fails or gives no
+    two positive integers: a header its reader cannot parse leaves the size to the decode."""
+    try:
+        size = reader.size(path)
+        if size is None:
+            return None
+        height, width = (int(v) for v in size)
+    except Exception:  # the kind's own code, whatever it raises: the decode says why
+        return None
+    return (height, width) if height > 0 and width > 0 else None
+
+
+def read_sample(
+    reader: ImageReader, path: str, options: Options
+) -> tuple[np.ndarray | None, tuple[int, int] | None, str]:
+    """``read_image`` for a file that its kind's ``reader`` reads (``Source.images``), with
+    why it failed: ``(image as cv2.imread gives it, native (height, width), reason)``.
+
+    A sample whose ``reader.size`` declares more than ``options.max_pixels`` is not read.
+    """
+    declared = sample_size(reader, path)
+    if declared is not None and too_large(declared, options):
+        return None, declared, ""
+    try:
+        img = np.ascontiguousarray(reader.read(path))
+    except Exception as e:  # the kind's own code: its message is the skip reason
+        return None, None, f"its kind's reader failed on it ({type(e).__name__}: {e})"
+    image = img.ndim == 2 or (img.ndim == 3 and img.shape[2] == 3)
+    if not image or img.dtype != np.uint8 or img.size == 0:
+        got = f"a {img.dtype} array of shape {img.shape}"
+        return None, None, f"its kind's reader gave {got}, not an H x W x 3 or H x W uint8 image"
+    if options.color == "gray":  # as IMREAD_GRAYSCALE reads it
+        img = img if img.ndim == 2 else cv2.cvtColor(img, cv2.COLOR_RGB2GRAY)
+    else:  # as IMREAD_COLOR reads it: 3 channels, BGR
+        img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR if img.ndim == 2 else cv2.COLOR_RGB2BGR)
+    return img, (int(img.shape[0]), int(img.shape[1])), ""
 
 
 # Where this OS names a process's open descriptors (Linux; /dev/fd on BSD and macOS).
@@ -245,6 +287,7 @@ def decode_record(
     capture: StderrCapture | None = None,
     mask: tuple[str, int, int] | None = None,
     name: str | None = None,
+    reader: ImageReader | None = None,
 ) -> tuple[int, int, str, np.ndarray | None]:
     """Decode one listed file for a record: ``(state code, crc32, message, pixels)``.
 
@@ -256,6 +299,7 @@ def decode_record(
     is ``BAD_SOURCE_CHANGED``: pixels of a file replaced mid-way are never stored. ``pixels``
     is None unless the code is ``FILLED``; ``message`` is what the decoder printed (collected
     only with a ``capture``) or why the file is bad. ``name``: as ``read_image``'s.
+    ``reader``: its kind's ``Source.images``, which reads the file instead of OpenCV.
     """
     try:
         before = os.stat(path)
@@ -267,30 +311,26 @@ def decode_record(
         return fmt.BAD_SOURCE_CHANGED, 0, "changed since it was listed", None
     # A JPEG cut short in its image data, which libjpeg would decode saying "Premature end of
     # JPEG file" on the stderr of a process that fills records lazily (no capture there), is
-    # refused before it is read: the refusal's reason says it.
-    if not opts.keep_truncated and jpeg_end(path) == "scan":
+    # refused before it is read: the refusal's reason says it. (Not a file a kind reads itself.)
+    check_jpeg = reader is None and not opts.keep_truncated
+    if check_jpeg and jpeg_end(path) == "scan":
         if _stat_key(path) != (size, mtime_ns):  # still being written, say
             return fmt.BAD_SOURCE_CHANGED, 0, "changed while it was decoded", None
         return fmt.BAD_TRUNCATED, 0, TRUNCATED, None
-    if capture is None:
-        img, native = read_image(path, opts, name)
-        message = ""
-    else:
-        with capture:
-            img, native = read_image(path, opts, name)
-        message = capture.text()
+    img, native, message = _read(path, opts, capture, name, reader)
     if img is None and native is not None:  # its header declares more than max_pixels
         assert opts.max_pixels is not None  # Options replaces None with the default
         return fmt.BAD_TOO_LARGE, 0, too_large_reason(*native, opts.max_pixels), None
     if img is None:
         if _stat_key(path) != (size, mtime_ns):  # gone or rewritten while read: not its fault
             return fmt.BAD_SOURCE_CHANGED, 0, "changed or vanished while it was decoded", None
-        return fmt.BAD_UNDECODABLE, 0, undecodable_reason(path, message), None
+        why = undecodable_reason(path, message) if reader is None else message
+        return fmt.BAD_UNDECODABLE, 0, why, None
     assert native is not None  # read_image gives the size of every image it read
     assert opts.max_pixels is not None  # Options replaces None with the default
     if too_large(native, opts):
         return fmt.BAD_TOO_LARGE, 0, too_large_reason(native[0], native[1], opts.max_pixels), None
-    truncated = not opts.keep_truncated and jpeg_truncated(path)
+    truncated = check_jpeg and jpeg_truncated(path)
     # np.require keeps a 0-d (I420) record as it is.
     pixels = None if truncated else np.require(preprocess(img, opts, native), requirements="C")
     # After the decode and the truncation check: a file still being written reads truncated.
@@ -304,6 +344,25 @@ def decode_record(
             return record[0], 0, record[1], None
         pixels = record
     return fmt.FILLED, zlib.crc32(pixels.data), message, pixels
+
+
+def _read(
+    path: str,
+    opts: Options,
+    capture: StderrCapture | None,
+    name: str | None,
+    reader: ImageReader | None,
+) -> tuple[np.ndarray | None, tuple[int, int] | None, str]:
+    """``(image, native size, message)`` of ``path``: ``read_image`` and what the decoder
+    printed (collected only with a ``capture``), or its kind's ``reader`` (``read_sample``)
+    and why it failed."""
+    if reader is not None:
+        return read_sample(reader, path, opts)
+    if capture is None:
+        return (*read_image(path, opts, name), "")
+    with capture:
+        img, native = read_image(path, opts, name)
+    return img, native, capture.text()
 
 
 def too_large(native: tuple[int, int], opts: Options) -> bool:

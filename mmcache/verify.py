@@ -23,10 +23,10 @@ from ._filler import check_trusted_source, lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
 from ._opening import open_for_reading
 from .annotations import mask_record, recorded_mask_file
-from .decode import Options, preprocess, read_image
+from .decode import Options, preprocess, read_image, read_sample
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
-from .sources import SOURCES, member_file
+from .sources import SOURCES, ImageReader, member_file
 
 __all__ = ["repair_cache", "verify_cache"]
 
@@ -266,8 +266,10 @@ def _compare_source(
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
     root = Path(m.source["root"])
     sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
-    # An archive's members are found by listing it again; a file lies at its path.
-    members = SOURCES[m.source["kind"]].recorded(m.source, files.paths(), sizes, mtimes)
+    # An archive's members are found by listing it again; a file lies at its path, read by
+    # OpenCV or by its kind's own reader.
+    kind = SOURCES[m.source["kind"]]
+    members = kind.recorded(m.source, files.paths(), sizes, mtimes)
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}
@@ -295,7 +297,7 @@ def _compare_source(
                 ):
                     report.source_unavailable += 1  # missing or changed: stale, not damaged
                 else:
-                    _compare_one(f, files, int(r), src, options, report)
+                    _compare_one(f, files, int(r), src, options, report, reader=kind.images)
             if progress is not None:
                 progress(report.checked + done, total)
 
@@ -308,13 +310,17 @@ def _compare_one(
     options: Options,
     report: VerifyReport,
     name: str | None = None,
+    reader: ImageReader | None = None,
 ) -> None:
     rec = files.index[r]
     shape = files.shape(r)
     rel = files.path(r)
     # As the build decodes (cv2.imread, then preprocess), but with the output shape checked
     # before resizing: options from a damaged manifest must not make us allocate gigabytes.
-    img, native = read_image(src, options, name)
+    if reader is None:
+        img, native = read_image(src, options, name)
+    else:
+        img, native, _ = read_sample(reader, str(src), options)
     if img is None:
         report.bad.append(BadRecord(r, rel, "its source no longer decodes"))
         return

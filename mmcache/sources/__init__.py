@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import registry
-from .base import Source
+from .base import ImageReader, Source
 from .folder import FOLDER
 from .listfile import LIST
 from .listing import IMAGE_EXTENSIONS, Listing
@@ -25,6 +25,7 @@ from .zip_archive import ZIP
 __all__ = [
     "Address",
     "IMAGE_EXTENSIONS",
+    "ImageReader",
     "SOURCES",
     "Listing",
     "MemberAddress",

@@ -12,12 +12,38 @@ if TYPE_CHECKING:
     from .recorded import RecordedMembers
 
 
+class ImageReader(Protocol):
+    """How a kind reads its samples itself, when they are files OpenCV does not decode (a
+    folder of ``.npy`` arrays): ``Source.images``.
+
+    The build's decode workers get it with each job, by pickle: it must be a module-level
+    object, or an instance of a module-level class, of a module those processes can import by
+    its name (they start as fresh interpreters, with the parent's ``sys.path``).
+    """
+
+    def size(self, path: str) -> tuple[int, int] | None:
+        """The (height, width) of the sample at ``path``, from its header, without reading its
+        pixels; None when the header does not say (the sample is then decoded before it is
+        placed). Any exception counts as None."""
+        ...
+
+    def read(self, path: str) -> np.ndarray:
+        """The sample at ``path``: an H x W x 3 uint8 image in RGB order, or H x W gray.
+
+        Raises:
+            Exception: any, when it cannot be read; its message is the record's skip reason.
+        """
+        ...
+
+
 class Source(Protocol):
     """One kind of source: how it is recognised, listed, and found again from a cache.
 
     A kind's samples are read through ``Listing.abspath`` (a file's path, or an archive
-    member's ``MemberAddress``); what its build records for the quick staleness check is in the
-    listing (``Listing.members`` for archives). Register a new kind with ``registry.register``.
+    member's ``MemberAddress``) and decoded by OpenCV, or, for a kind with ``images``, by its
+    own reader; what its build records for the quick staleness check is in the listing
+    (``Listing.members`` for archives, the folders above its files when ``folder_stamps``).
+    Register a new kind with ``registry.register``.
     """
 
     # The name a manifest records as ``source["kind"]``.
@@ -27,6 +53,14 @@ class Source(Protocol):
     # Whether each sample is a file at its path under the root, read by its path (False: an
     # archive's member, found by ``recorded``).
     reads_files: bool
+    # How its files are read into images, when OpenCV does not decode them (None: it does);
+    # only for a kind that ``reads_files``. The build's workers, a lazy cache's fills, ``verify
+    # --source`` and the layout's sizes all ask it.
+    images: ImageReader | None
+    # Whether the quick staleness check may stand on the mtimes of the folders above its files
+    # (a file added, removed or renamed changes one); False: only a full scan sees a change (a
+    # list file's files lie anywhere, an archive is stamped by its own size and mtime).
+    folder_stamps: bool
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         """Whether ``source``, as given to ``scan_source``, is of this kind."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
+from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing, is_image_file, looks_like_cache, with_stats
 
 
@@ -16,6 +17,8 @@ class Folder:
     kind = "folder"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = True
+    images: ImageReader | None = None  # OpenCV decodes its samples
+    folder_stamps = True
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         return True

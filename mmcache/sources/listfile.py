@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 from ..probe import sniff_format
+from .base import ImageReader
 from .listing import Listing, is_image_file, with_stats
 
 
@@ -18,6 +19,8 @@ class ListFile:
     kind = "list"
     path_keys: tuple[str, ...] = ("root", "list_file")
     reads_files = True
+    images: ImageReader | None = None  # OpenCV decodes its samples
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         return Path(source).expanduser().is_file()

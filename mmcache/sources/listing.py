@@ -13,10 +13,13 @@ import numpy as np
 
 from .. import format as fmt
 from ..annotations import Annotations
+from ..decode import sample_size
 from ..errors import SourceError
 from ..probe import probe_size
+from . import registry
 
 if TYPE_CHECKING:  # (members.py reads bytes through decode, which needs no Listing)
+    from .base import ImageReader
     from .members import Address, Members
     from .recorded import RecordedMembers
 
@@ -70,15 +73,25 @@ class Listing:
             return self.members.ref(i)
         return os.path.join(self.root, self.paths[i])
 
+    @property
+    def images(self) -> ImageReader | None:
+        """How its files are read into images when its kind reads them itself (the kind's
+        ``Source.images``); None when OpenCV decodes them."""
+        kind = registry.SOURCES.get(self.kind)
+        return None if kind is None else kind.images
+
     def probe(self, i: int, exif: bool = True) -> tuple[int, int] | None:
-        """``probe_size`` of entry ``i`` (``exif``: as ``probe_size``'s).
+        """``probe_size`` of entry ``i`` (``exif``: as ``probe_size``'s), or its kind's
+        reader's ``size``.
 
         Raises:
             OSError: its file cannot be opened or read.
         """
         if self.members is not None:
             return self.members.probe(i, int(self.sizes[i]), exif)
-        return probe_size(os.path.join(self.root, self.paths[i]), exif)
+        path = os.path.join(self.root, self.paths[i])
+        reader = self.images
+        return probe_size(path, exif) if reader is None else sample_size(reader, path)
 
     def fingerprint(self) -> str:
         """SHA-256 over classes and every (path, label, size, mtime): any change changes it."""

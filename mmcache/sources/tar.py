@@ -20,6 +20,7 @@ from .archive import (
     stem,
     tar_members,
 )
+from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
 from .recorded import RecordedMembers
 from .webdataset import scan_shards
@@ -32,6 +33,8 @@ class Tar:
     kind = "tar"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = False
+    images: ImageReader | None = None  # OpenCV decodes its samples
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         path = Path(os.fspath(source)).expanduser()

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import SourceError
 from . import registry
 from .archive import Row, Table, found, is_image, refuse_compressed, tar_members
+from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
 from .recorded import RecordedMembers
 
@@ -27,6 +28,8 @@ class WebDataset:
     kind = "webdataset"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = False
+    images: ImageReader | None = None  # OpenCV decodes its samples
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         path = Path(os.fspath(source)).expanduser()

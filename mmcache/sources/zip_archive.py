@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 from .archive import ZIP_SUFFIXES, Table, clean_name, image_folder
+from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
 from .members import DEFLATED, STORED
 from .recorded import RecordedMembers
@@ -23,6 +24,8 @@ class Zip:
     kind = "zip"
     path_keys: tuple[str, ...] = ("root",)
     reads_files = False
+    images: ImageReader | None = None  # OpenCV decodes its samples
+    folder_stamps = False
 
     def claims(self, source: str | os.PathLike, label_key: str | None) -> bool:
         path = Path(os.fspath(source)).expanduser()
