@@ -48,6 +48,8 @@ from .errors import (
     DecodeError,
     StaleCacheWarning,
 )
+from .remote.local_copy import up_to_date_copy
+from .remote.stores import is_remote
 from .residency import WarmReport, start_warming
 from .scan import Listing, scan_source, source_exists
 from .transforms import UpscaleCause, crops_in, leading_crop
@@ -122,6 +124,12 @@ class MemmapImageDataset(Dataset):
             renamed (or replaced by a rename) are seen, a file rewritten in place is not.
             ``"full"``: list the source and compare each file's size and mtime, as every
             ``mmcache build`` does (docs/refresh.md).
+        local: with ``cache`` a URL (``s3://bucket/prefix``, ``file:///folder``: a cache
+            pushed with ``push_cache``), the local folder of its copy (default: under
+            ``$MMCACHE_LOCAL``, else ``~/.cache/mmcache/remote``). Opening pulls what the copy
+            lacks (a first open: all of it; after the remote was pushed again: the new
+            records); a store that cannot be reached leaves a complete copy usable, as
+            ``on_stale`` says ("warn", "ignore"; "error" raises).
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
@@ -157,8 +165,16 @@ class MemmapImageDataset(Dataset):
         masks: str | os.PathLike | None = None,
         coco: str | os.PathLike | None = None,
         source_check: str = "quick",
+        local: str | os.PathLike | None = None,
         **options: Any,
     ) -> None:
+        if is_remote(cache):
+            if source is not None:
+                raise ValueError("source= makes a lazy cache from images; a URL's is published")
+            # The local copy is the remote's latest (the check of its sources is the builder's).
+            cache, on_stale = up_to_date_copy(str(cache), local, on_stale), "ignore"
+        elif local is not None:
+            raise ValueError(f"local= is the folder of a remote cache's copy; {cache} is local")
         if on_stale not in ON_STALE:
             raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
         if source_check not in SOURCE_CHECKS:

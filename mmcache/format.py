@@ -193,8 +193,8 @@ __all__ = [
     "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
     "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest",
     "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
-    "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "manifest_checksum",
-    "json_object", "manifest_from_json", "open_cache", "read_cache_files", "read_manifest",
+    "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "json_object",
+    "manifest_checksum", "manifest_from_json", "open_cache", "read_cache_files", "read_manifest",
     "record_nbytes", "record_shapes", "validate_records",
 ]  # fmt: skip
 

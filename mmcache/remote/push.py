@@ -79,28 +79,8 @@ def push_cache(
         except (CacheNotFoundError, CacheFormatError):
             previous = None  # nothing there, or a damaged publication this one replaces
         old = _crcs(previous)
-        blobs = {"state": files.state.tobytes()}
         uploads = _Uploads(store, old, progress, sum(m.sizes.values()))
-        objects = {}
-        with ThreadPoolExecutor(concurrency) as pool:
-            for kind in m.file_kinds:
-                if kind != "data":
-                    blob = blobs.get(kind) or os.pread(fds[kind], m.sizes[kind], 0)
-                    if len(blob) != m.sizes[kind]:
-                        raise CacheFormatError(f"{m.file(kind)}: changed while it was pushed")
-                    key = m.file(kind).name
-                    objects[kind] = {"key": key, "size": len(blob), "crc32": zlib.crc32(blob)}
-                    pool.submit(uploads.send, key, lambda b=blob: b)
-            size = m.sizes["data"]
-            chunks: list[dict[str, Any]] = []
-            for k, at in enumerate(range(0, size, chunk_bytes)):
-                n = min(chunk_bytes, size - at)
-                key = chunk_key(m.file("data").name, k, n)
-                chunks.append({"key": key, "size": n})
-                pool.submit(uploads.send, key, lambda at=at, n=n: _pread(fds["data"], n, at))
-        uploads.raise_first()
-        for c in chunks:
-            c["crc32"] = uploads.crcs[c["key"]]
+        objects, chunks = _upload(files, fds, uploads, concurrency, chunk_bytes)
         store.put(REMOTE_NAME, description(manifest, objects, chunk_bytes, chunks))
         keep = {REMOTE_NAME, *objects_keys(objects, chunks), *old}
         stale = [k for k in store.sizes() if OWN_KEY.fullmatch(k) and k not in keep]
@@ -119,6 +99,39 @@ def push_cache(
         objects_deleted=len(stale),
         seconds=time.perf_counter() - start,
     )
+
+
+def _upload(
+    files: fmt.CacheFiles,
+    fds: dict[str, int],
+    uploads: _Uploads,
+    concurrency: int,
+    chunk_bytes: int,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Send every file (the data file in chunks) the store lacks; their descriptions."""
+    m = files.manifest
+    blobs = {"state": files.state.tobytes()}  # as read: a snapshot of a lazy cache's states
+    objects = {}
+    chunks: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        for kind in m.file_kinds:
+            if kind != "data":
+                blob = blobs.get(kind) or os.pread(fds[kind], m.sizes[kind], 0)
+                if len(blob) != m.sizes[kind]:
+                    raise CacheFormatError(f"{m.file(kind)}: changed while it was pushed")
+                key = m.file(kind).name
+                objects[kind] = {"key": key, "size": len(blob), "crc32": zlib.crc32(blob)}
+                pool.submit(uploads.send, key, lambda b=blob: b)
+        size = m.sizes["data"]
+        for k, at in enumerate(range(0, size, chunk_bytes)):
+            n = min(chunk_bytes, size - at)
+            key = chunk_key(m.file("data").name, k, n)
+            chunks.append({"key": key, "size": n})
+            pool.submit(uploads.send, key, lambda at=at, n=n: _pread(fds["data"], n, at))
+    uploads.raise_first()
+    for c in chunks:
+        c["crc32"] = uploads.crcs[c["key"]]
+    return objects, chunks
 
 
 def objects_keys(objects: dict[str, dict[str, Any]], chunks: list[dict[str, Any]]) -> set[str]:
