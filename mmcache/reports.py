@@ -20,6 +20,7 @@ __all__ = [
     "ProgressFn",
     "PullReport",
     "PushReport",
+    "RemoteInfo",
     "RepairReport",
     "VerifyReport",
     "WarmReport",
@@ -301,3 +302,25 @@ class PullReport:
     @property
     def bytes_per_second(self) -> float:
         return self.fetched / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RemoteInfo:
+    """A cache published in an object store, as ``remote.json`` describes it (nothing fetched
+    but that object)."""
+
+    url: str
+    format_version: tuple[int, int]
+    generation: str
+    mode: str
+    images: int
+    classes: list[str]
+    skipped: int
+    bytes: int
+    chunks: int
+    chunk_bytes: int
+    options: dict[str, Any]
+    source: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

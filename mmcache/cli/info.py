@@ -10,6 +10,7 @@ from typing import Any
 from .. import pixels as px
 from .._feedback import count, human_bytes
 from .._staleness import SOURCE_CHECKS
+from ..remote import is_remote, remote_info
 from ..residency import cache_info
 from ._shared import Commands, garbage, one_line, share, skipped_lines
 
@@ -29,7 +30,8 @@ def add(cmds: Commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
+    if is_remote(args.cache):
+        return _remote(args)
     info = cache_info(args.cache, source_check=args.source_check)
     if args.json:
         print(_json(info.to_json()))
@@ -86,6 +88,27 @@ def run(args: argparse.Namespace) -> int:
     if len(info.warnings) > 5:
         lines.append(f"  ... and {len(info.warnings) - 5} more warnings (see manifest.json)")
     print("\n".join(lines))
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> int:
+    """``mmcache info URL``: what ``remote.json`` says, without pulling anything."""
+    r = remote_info(args.cache)
+    if args.json:
+        print(_json(r.to_json()))
+        return 0
+    options = ", ".join(f"{k}={v}" for k, v in r.options.items() if v is not None)
+    print(
+        f"cache:      {one_line(r.url)} (published)\n"
+        f"format:     {r.format_version[0]}.{r.format_version[1]}, {r.mode} mode, "
+        f"generation {r.generation}\n"
+        f"images:     {r.images:,}, {count(len(r.classes), 'class', 'classes')}, "
+        f"{r.skipped:,} skipped\n"
+        f"options:    {options}\n"
+        f"data:       {human_bytes(r.bytes)} in {count(r.chunks, 'chunk')} of "
+        f"{human_bytes(r.chunk_bytes)} and the index files\n"
+        f"source:     {one_line(str(r.source.get('root', '')))} (where it was built)"
+    )
     return 0
 
 
