@@ -7,11 +7,13 @@ A cache published under a prefix is these objects (keys relative to the prefix):
 
 ``index-<g>.bin``, ``state-<g>.bin``, ``paths-<g>.bin``, ``fields-<g>.bin``
     The files of generation ``<g>`` of the cache (``mmcache.format``), each one object.
-``data-<id>.<k>.<n>``
-    Chunk ``k`` (six or more decimal digits) of the data file ``data-<id>.bin``: its
-    ``chunk_bytes`` bytes from ``k * chunk_bytes`` (the last chunk: what is left), ``n`` bytes
-    (lowercase hex). A chunk is never rewritten: a data file's bytes below a published size never
-    change (refreshes append), and a last chunk that grew is a new object, its size in its key.
+``data-<id>.<start>.<size>.<crc>``
+    A chunk of the data file ``data-<id>.bin``: its ``size`` bytes from byte ``start`` (both
+    lowercase hex), whose zlib CRC-32 is ``crc`` (8 hex digits). The chunks cover the data file
+    from 0 to the manifest's ``sizes["data"]`` in order, without gaps. A chunk is never
+    rewritten (its key names its content): a refresh appends records past the end of the data
+    file, so a push after it keeps every chunk and sends the new bytes as new chunks of at most
+    ``chunk_bytes``.
 ``remote.json``
     Written last: a prefix without it holds no cache, and a reader that has read it finds every
     object it names. A UTF-8 JSON object, bounded as a manifest is:
@@ -22,8 +24,8 @@ A cache published under a prefix is these objects (keys relative to the prefix):
       writes it as the local cache's manifest.
     - ``"objects"``: for each file kind but ``data``, ``{"key", "size", "crc32"}``: the object's
       key (the manifest's file name), its size (the manifest's) and its zlib CRC-32.
-    - ``"data"``: ``{"chunk_bytes", "chunks"}``, ``chunks`` the list of ``{"key", "size"}`` in
-      order, covering the manifest's ``sizes["data"]`` exactly.
+    - ``"data"``: ``{"chunk_bytes", "chunks"}``: the size new chunks are cut to, and the list
+      of ``{"key", "start", "size", "crc32"}`` in order, covering ``sizes["data"]`` exactly.
     - ``"checksums"``: ``{"remote": crc}``, the CRC-32 of the object without ``"checksums"``,
       computed as the manifest's is (``mmcache.format.manifest_checksum``).
 
@@ -33,6 +35,8 @@ against the manifest's checksums (and ``crc32`` above).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -47,35 +51,49 @@ from .stores import Store
 REMOTE_NAME = "remote.json"
 MAGIC = "mmcache-remote"
 VERSION = (1, 0)
-# Chunks of 64 MiB: a 150 GB cache is ~2,300 objects, and a push after a refresh uploads at
-# most one chunk of bytes it had already uploaded.
+# Chunks of 64 MiB: a 150 GB cache is ~2,300 objects, each fetched in a few ranged requests.
 CHUNK_BYTES = 64 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 4 << 30
 # The keys a push may delete when no publication names them any more (nothing else is touched).
 OWN_KEY = re.compile(
-    r"(index|state|paths|fields)-[0-9a-f]{16}\.bin|data-[0-9a-f]{16}\.[0-9]{6,}\.[0-9a-f]+"
+    r"(index|state|paths|fields)-[0-9a-f]{16}\.bin|data-[0-9a-f]{16}(\.[0-9a-f]+){2}\.[0-9a-f]{8}"
 )
 
 
 @dataclass
 class Published:
     """A checked ``remote.json``: the manifest (its ``path`` where its files are to go), the
-    other files' objects by kind, and the data file's chunks as ``(key, start, size)``."""
+    other files' objects by kind, and the data file's chunks as ``(key, start, size, crc32)``."""
 
     store: Store
     manifest: fmt.Manifest
     objects: dict[str, dict[str, Any]]
     chunk_bytes: int
-    chunks: list[tuple[str, int, int]]
+    chunks: list[tuple[str, int, int, int]]
     raw: dict[str, Any]
 
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        return [c[1] for c in self.chunks]
+
     def keys(self) -> set[str]:
-        return {o["key"] for o in self.objects.values()} | {k for k, _, _ in self.chunks}
+        return {o["key"] for o in self.objects.values()} | {c[0] for c in self.chunks}
+
+    def chunks_within(self, start: int, end: int) -> list[tuple[str, int, int, int]]:
+        """The chunks that hold bytes ``start`` to ``end`` of the data file."""
+        first = bisect.bisect_right(self.starts, start) - 1
+        found = []
+        for c in self.chunks[max(first, 0) :]:
+            if c[1] >= end:
+                break
+            found.append(c)
+        return found
 
 
-def chunk_key(data_name: str, k: int, size: int) -> str:
-    """The key of chunk ``k`` of data file ``data_name`` (``data-<id>.bin``), of ``size`` bytes."""
-    return f"{data_name.removesuffix('.bin')}.{k:06d}.{size:x}"
+def chunk_key(data_name: str, start: int, size: int, crc: int) -> str:
+    """The key of the chunk of data file ``data_name`` (``data-<id>.bin``) of ``size`` bytes
+    from ``start``, whose CRC-32 is ``crc``."""
+    return f"{data_name.removesuffix('.bin')}.{start:x}.{size:x}.{crc:08x}"
 
 
 def description(
@@ -149,17 +167,19 @@ def _checked_objects(objects: Any, m: fmt.Manifest, where: Path) -> dict[str, di
 
 def _checked_chunks(data: Any, m: fmt.Manifest, where: Path) -> tuple[int, list]:
     expect(isinstance(data, dict), where, "no data chunks")
-    size, chunk = m.sizes["data"], data.get("chunk_bytes")
+    chunk, listed = data.get("chunk_bytes"), data.get("chunks")
     expect(is_int(chunk, MIN_CHUNK, MAX_CHUNK + 1), where, f"chunk_bytes {chunk!r} out of range")
-    listed = data.get("chunks")
-    n = -(-size // chunk)
-    expect(isinstance(listed, list) and len(listed) == n, where, f"expected {n} data chunks")
-    chunks = []
+    expect(isinstance(listed, list), where, "no list of data chunks")
+    chunks, at = [], 0
     for k, c in enumerate(listed):
-        want = min(chunk, size - k * chunk)
-        key = chunk_key(m.file("data").name, k, want)
-        if not (isinstance(c, dict) and c.get("key") == key and c.get("size") == want):
-            raise CacheFormatError(f"{where}: data chunk {k} is not {key} of {want} bytes")
-        chunks.append((key, k * chunk, want))
+        ok = isinstance(c, dict) and is_int(c.get("size"), 1, MAX_CHUNK + 1)
+        ok = ok and c.get("start") == at and is_int(c.get("crc32"), 0, 1 << 32)
+        if not ok or c.get("key") != chunk_key(m.file("data").name, at, c["size"], c["crc32"]):
+            raise CacheFormatError(
+                f"{where}: data chunk {k} is not the one from byte {at} its key, start, size "
+                "and CRC-32 must name"
+            )
+        chunks.append((c["key"], at, c["size"], c["crc32"]))
+        at += c["size"]
+    expect(at == m.sizes["data"], where, f"data chunks cover {at} bytes, not {m.sizes['data']}")
     return chunk, chunks
-

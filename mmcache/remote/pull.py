@@ -220,7 +220,7 @@ class _Fetch:
     def _read(self, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` of the data file, from the chunks that hold them."""
         parts = []
-        for key, at, size in _chunks_within(self.published, start, end):
+        for key, at, size, _ in self.published.chunks_within(start, end):
             a, b = max(start, at) - at, min(end, at + size) - at
             got = self.published.store.get(key, a, b)
             if got is None or len(got) != b - a:
@@ -240,11 +240,6 @@ class _Fetch:
             if zlib.crc32(view[a : a + int(self.nbytes[r])]) != int(crcs[r]):
                 return int(r)
         return None
-
-
-def _chunks_within(published: Published, start: int, end: int) -> list[tuple[str, int, int]]:
-    c = published.chunk_bytes
-    return published.chunks[start // c : (end - 1) // c + 1]
 
 
 def _fetch_whole(store: Store, o: dict, path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -13,7 +14,15 @@ from .. import format as fmt
 from .._opening import open_for_reading, read_whole
 from ..errors import CacheError, CacheFormatError, CacheNotFoundError
 from ..reports import ProgressFn, PushReport
-from .published import CHUNK_BYTES, OWN_KEY, REMOTE_NAME, chunk_key, description, read_published
+from .published import (
+    CHUNK_BYTES,
+    OWN_KEY,
+    REMOTE_NAME,
+    Published,
+    chunk_key,
+    description,
+    read_published,
+)
 from .stores import RETRY_SECONDS, open_store
 
 __all__ = ["push_cache"]
@@ -80,7 +89,7 @@ def push_cache(
             previous = None  # nothing there, or a damaged publication this one replaces
         old = _crcs(previous)
         uploads = _Uploads(store, old, progress, sum(m.sizes.values()))
-        objects, chunks = _upload(files, fds, uploads, concurrency, chunk_bytes)
+        objects, chunks = _upload(files, fds, uploads, concurrency, chunk_bytes, previous)
         store.put(REMOTE_NAME, description(manifest, objects, chunk_bytes, chunks))
         keep = {REMOTE_NAME, *objects_keys(objects, chunks), *old}
         stale = [k for k in store.sizes() if OWN_KEY.fullmatch(k) and k not in keep]
@@ -107,44 +116,57 @@ def _upload(
     uploads: _Uploads,
     concurrency: int,
     chunk_bytes: int,
+    previous: Published | None,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Send every file (the data file in chunks) the store lacks; their descriptions."""
     m = files.manifest
     blobs = {"state": files.state.tobytes()}  # as read: a snapshot of a lazy cache's states
-    objects = {}
+    objects: dict[str, dict[str, Any]] = {}
     chunks: list[dict[str, Any]] = []
+    data = m.file("data").name
     with ThreadPoolExecutor(concurrency) as pool:
         for kind in m.file_kinds:
             if kind != "data":
                 blob = blobs.get(kind) or os.pread(fds[kind], m.sizes[kind], 0)
                 if len(blob) != m.sizes[kind]:
                     raise CacheFormatError(f"{m.file(kind)}: changed while it was pushed")
-                key = m.file(kind).name
-                objects[kind] = {"key": key, "size": len(blob), "crc32": zlib.crc32(blob)}
-                pool.submit(uploads.send, key, lambda b=blob: b)
-        size = m.sizes["data"]
-        for k, at in enumerate(range(0, size, chunk_bytes)):
-            n = min(chunk_bytes, size - at)
-            key = chunk_key(m.file("data").name, k, n)
-            chunks.append({"key": key, "size": n})
-            pool.submit(uploads.send, key, lambda at=at, n=n: _pread(fds["data"], n, at))
+                objects[kind] = {"key": m.file(kind).name, "size": len(blob)}
+                pool.submit(uploads.send, objects[kind], lambda b=blob: b)
+        for at, n in _cuts(m, previous, chunk_bytes):
+            chunks.append({"start": at, "size": n})
+            read = functools.partial(_pread, fds["data"], n, at)
+            pool.submit(uploads.send, chunks[-1], read, functools.partial(chunk_key, data, at, n))
     uploads.raise_first()
-    for c in chunks:
-        c["crc32"] = uploads.crcs[c["key"]]
     return objects, chunks
+
+
+def _cuts(
+    m: fmt.Manifest, previous: Published | None, chunk_bytes: int
+) -> list[tuple[int, int]]:
+    """Where the data file is cut into chunks: as the previous publication of the same data
+    file cut it, as far as it went (a refresh appended to it since), then every
+    ``chunk_bytes``."""
+    cuts, at, size = [], 0, m.sizes["data"]
+    if previous is not None and previous.manifest.file("data").name == m.file("data").name:
+        for _, start, n, _ in previous.chunks:
+            if start + n > size:
+                break
+            cuts.append((start, n))
+            at = start + n
+    cuts += [(a, min(chunk_bytes, size - a)) for a in range(at, size, chunk_bytes)]
+    return cuts
 
 
 def objects_keys(objects: dict[str, dict[str, Any]], chunks: list[dict[str, Any]]) -> set[str]:
     return {o["key"] for o in objects.values()} | {c["key"] for c in chunks}
 
 
-def _crcs(previous: Any) -> dict[str, int]:
+def _crcs(previous: Published | None) -> dict[str, int]:
     """The CRC-32 of each object the previous publication names, by key."""
     if previous is None:
         return {}
-    raw = previous.raw
-    found = {o["key"]: o["crc32"] for o in raw["objects"].values()}
-    found.update({c["key"]: c.get("crc32") for c in raw["data"]["chunks"]})
+    found = {o["key"]: o["crc32"] for o in previous.objects.values()}
+    found.update({key: crc for key, _, _, crc in previous.chunks})
     return found
 
 
@@ -156,29 +178,32 @@ def _pread(fd: int, n: int, at: int) -> bytes:
 
 
 class _Uploads:
-    """Uploads run by a pool's threads: each reads its bytes, sums them, and sends them unless
-    the store has them already; the first failure is kept for the caller to raise."""
+    """Uploads run by a pool's threads: each reads its bytes, sums them, names the object (a
+    chunk's key holds its CRC-32) and sends it unless the store has it already with that CRC;
+    the first failure is kept for the caller to raise."""
 
     def __init__(self, store: Any, old: dict[str, int], progress: Any, total: int) -> None:
         self.store, self.old, self.progress, self.total = store, old, progress, total
-        self.crcs: dict[str, int] = {}
         self.bytes = self.objects = self.done = 0
         self.failure: BaseException | None = None
         self.lock = threading.Lock()
 
-    def send(self, key: str, read: Any) -> None:
+    def send(self, entry: dict[str, Any], read: Any, key: Any = None) -> None:
+        """Upload ``read()`` as the object ``entry`` describes; fills in its ``crc32`` (and,
+        with ``key``, a function of the CRC-32, its ``key``)."""
         if self.failure is not None:
             return
         try:
             data = read()
-            crc = zlib.crc32(data)
-            if self.old.get(key) != crc:
-                self.store.put(key, data)
+            entry["crc32"] = crc = zlib.crc32(data)
+            if key is not None:
+                entry["key"] = key(crc)
+            if self.old.get(entry["key"]) != crc:
+                self.store.put(entry["key"], data)
                 with self.lock:
                     self.bytes += len(data)
                     self.objects += 1
             with self.lock:
-                self.crcs[key] = crc
                 self.done += len(data)
                 if self.progress is not None:
                     self.progress(self.done, self.total)
