@@ -7,6 +7,7 @@ for a folder without a manifest) with the words ``read_manifest`` always gave.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from typing import Any
 
 from . import pixels as px
 from ._checks import expect, fail, is_int, is_name
+from ._opening import read_whole
+from .errors import CacheNotFoundError
 from .options import Options
 
 
@@ -45,6 +48,34 @@ def no_manifest(folder: Path, manifest_name: str, is_cache_file_name: Callable[[
         f"{folder}: no finished cache here ({manifest_name} is missing: a build was stopped "
         "before it published, or is running now); run `mmcache build` again"
     )
+
+
+def load_manifest_json(
+    folder: Path,
+    mpath: Path,
+    max_bytes: int,
+    max_cost: int,
+    is_cache_file_name: Callable[[str], bool],
+) -> dict[str, Any]:
+    """The manifest's JSON object, read with a bound on its size and on its parse's cost."""
+    if not folder.is_dir():
+        raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
+    try:
+        raw = read_whole(mpath, max_bytes + 1)
+    except FileNotFoundError:
+        raise CacheNotFoundError(no_manifest(folder, mpath.name, is_cache_file_name)) from None
+    expect(len(raw) <= max_bytes, mpath, f"larger than {max_bytes} bytes")
+    cost = manifest_parse_cost(raw)
+    expect(cost <= max_cost, mpath, f"{len(raw):,} bytes of JSON whose parse would take about "
+           f"{cost:,} bytes of memory, more than the {max_cost:,} a manifest may: not a "
+           "manifest mmcache wrote")  # fmt: skip
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError also covers integers of over 4300 digits, which Python refuses to parse.
+        raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
+    expect(isinstance(m, dict), mpath, "expected a JSON object")
+    return m
 
 
 def check_version(
@@ -132,6 +163,39 @@ def check_manifest_checksum(
         "the manifest was damaged or edited; rebuild the cache",
     )
     return checksums
+
+
+def check_files(
+    m: dict[str, Any],
+    kinds: tuple[str, ...],
+    gen: str,
+    mpath: Path,
+    file_name: Callable[[str, str], str],
+    data_generation: Callable[[Any], str | None],
+    max_bytes: int,
+) -> tuple[str, dict[str, int]]:
+    """The generation whose data file holds the records (``data_generation`` of its name), and
+    the sizes of the files of ``kinds``, each named ``file_name(kind, gen)`` but the data file."""
+    files: Any = m.get("files")
+    expect(
+        isinstance(files, dict)
+        and set(files) == set(kinds)
+        and all(files[kind] == file_name(kind, gen) for kind in kinds if kind != "data"),
+        mpath,
+        "file names do not match the generation",
+    )
+    data_gen = data_generation(files["data"])
+    if data_gen is None:
+        raise fail(mpath, f"data file name {files['data']!r} is not data-<16 hex digits>.bin")
+    sizes: Any = m.get("sizes")
+    expect(
+        isinstance(sizes, dict)
+        and set(sizes) == set(kinds)
+        and all(is_int(v, 0, max_bytes) for v in sizes.values()),
+        mpath,
+        "bad file sizes",
+    )
+    return data_gen, sizes
 
 
 def check_source(source: dict[str, Any], mpath: Path, max_path: int) -> None:

@@ -174,17 +174,17 @@ from ._checks import (
 from ._fields import FIELD_DTYPES, check_fields, read_fields
 from ._manifest import (
     check_entries,
+    check_files,
     check_layout,
     check_manifest_checksum,
     check_options,
     check_requires,
     check_source,
     check_version,
-    manifest_parse_cost,
-    no_manifest,
+    load_manifest_json,
 )
-from ._opening import link_refused, read_whole
-from .errors import CacheFormatError, CacheNotFoundError
+from ._opening import link_refused
+from .errors import CacheFormatError
 
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
@@ -416,7 +416,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     """
     folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
-    m = _load_manifest_json(folder, mpath)
+    m = load_manifest_json(folder, mpath, MAX_MANIFEST_BYTES, MAX_MANIFEST_COST, is_cache_file_name)
     version = check_version(m, folder, mpath, MAGIC, FORMAT_VERSION, MAX_PATH)
     requires = check_requires(m.get("requires"), mpath, FEATURES)
     files: Any = m.get("files")
@@ -430,7 +430,11 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the layout of the spec")
     fields = check_fields(m.get("fields", []), mpath, MAX_NAME)
-    data_gen, sizes = _check_files(m, gen, count, mpath, bool(fields))
+    kinds = (*FILE_KINDS, FIELDS_KIND) if fields else FILE_KINDS
+    data_gen, sizes = check_files(m, kinds, gen, mpath, file_name, _data_generation, MAX_FILE_BYTES)
+    expect(sizes["index"] == count * INDEX_DTYPE.itemsize, mpath, "index size != count")
+    expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
+    expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
     mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
     classes = check_names(m.get("classes"), mpath, MAX_NAME)
@@ -474,67 +478,12 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     return manifest
 
 
-def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
-    """The manifest's JSON object, read with a bound on its size."""
-    if not folder.is_dir():
-        raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
-    try:
-        raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise CacheNotFoundError(no_manifest(folder, MANIFEST_NAME, is_cache_file_name)) from None
-    expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
-    cost = manifest_parse_cost(raw)
-    expect(cost <= MAX_MANIFEST_COST, mpath, f"{len(raw):,} bytes of JSON whose parse would "
-           f"take about {cost:,} bytes of memory, more than the {MAX_MANIFEST_COST:,} a "
-           "manifest may: not a manifest mmcache wrote")  # fmt: skip
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError also covers integers of over 4300 digits, which Python refuses to parse.
-        raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
-    expect(isinstance(m, dict), mpath, "expected a JSON object")
-    return m
-
-
-def _check_files(
-    m: dict[str, Any], gen: str, count: int, mpath: Path, has_fields: bool
-) -> tuple[str, dict[str, int]]:
-    """The generation whose data file holds the records, and the files' sizes."""
-    files: Any = m.get("files")
-    own = (*FILE_KINDS[:3], FIELDS_KIND) if has_fields else FILE_KINDS[:3]
-    kinds = (*FILE_KINDS, FIELDS_KIND) if has_fields else FILE_KINDS
-    expect(
-        isinstance(files, dict)
-        and set(files) == set(kinds)
-        and all(files[kind] == file_name(kind, gen) for kind in own),
-        mpath,
-        "file names do not match the generation",
-    )
-    data_gen = _data_generation(files["data"])
-    if data_gen is None:
-        raise fail(mpath, f"data file name {files['data']!r} is not data-<16 hex digits>.bin")
-    sizes: Any = m.get("sizes")
-    expect(
-        isinstance(sizes, dict)
-        and set(sizes) == set(kinds)
-        and all(is_int(v, 0, MAX_FILE_BYTES) for v in sizes.values()),
-        mpath,
-        "bad file sizes",
-    )
-    expect(sizes["index"] == count * INDEX_DTYPE.itemsize, mpath, "index size != count")
-    expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
-    expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
-    return data_gen, sizes
-
-
 def _data_generation(name: Any) -> str | None:
     """The ``<id>`` of a data file name ``data-<id>.bin``, or None if it is not one."""
     if not isinstance(name, str) or not is_generation_file_name(name):
         return None
     kind, _, rest = name.partition("-")
     return rest.partition(".")[0] if kind == "data" else None
-
-
 
 
 @dataclass
