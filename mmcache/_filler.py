@@ -36,8 +36,7 @@ from ._opening import create_exclusively, open_for_reading, open_for_writing
 from .annotations import recorded_mask_file
 from .decode import DEFAULT_MAX_PIXELS, Options, decode_record
 from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
-from .scan import IMAGE_EXTENSIONS
-from .sources import SOURCES, MemberFinder, decode_member
+from .sources import SOURCES, decode_member
 from .space import disk_full_error
 
 
@@ -54,9 +53,8 @@ class RecordFiller:
         if not source_given:
             check_trusted_source(m)
         self.root = str(m.source.get("root", ""))
-        # An archive's members are found by listing it again (their offsets are not recorded).
-        files_ = SOURCES[m.source["kind"]].reads_files
-        self.members = None if files_ else MemberFinder(m.source, IMAGE_EXTENSIONS)
+        # An archive's members: where the cache's members file places them (or listed again).
+        self.members = SOURCES[m.source["kind"]].recorded(files)
         try:
             self.options = Options.from_json(m.options)
         except (TypeError, ValueError) as e:
@@ -105,8 +103,7 @@ class RecordFiller:
                 os.path.join(self.root, rel), size, mtime, self.options, mask=mask
             )
         else:
-            ref = self.members.ref(rel, size, mtime)
-            code, crc, _, pixels = decode_member(ref, size, mtime, self.options)
+            code, crc, _, pixels = decode_member(self.members.ref(i), size, mtime, self.options)
         if pixels is not None and px.image_shape(pixels) != self.files.shape(i):
             # The header promised another size (a lying header, an orientation the probe read
             # differently): the record's place is fixed, so the file is refused, never cropped.

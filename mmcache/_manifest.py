@@ -266,3 +266,46 @@ def _is_entry(e: Any, max_path: int) -> bool:
         and isinstance(e.get("reason"), str)
         and all(is_int(e.get(k, 0), -(1 << 63), 1 << 63) for k in ("size", "mtime_ns", "state"))
     )
+
+
+def check_members(
+    m: dict[str, Any], count: int, mpath: Path, name: str, dtype: Any, max_path: int
+) -> dict[str, Any] | None:
+    """The ``members`` entry, its file named ``name`` and of records of ``dtype``, its archives
+    the source's (None: no entry, or one naming another generation's file, which a writer that
+    did not know the key carried over: the members are listed again)."""
+    entry = m.get("members")
+    if entry is None:
+        return None
+    keys = {"file", "size", "crc32", "dtype", "archives"}
+    expect(isinstance(entry, dict) and set(entry) == keys, mpath,
+           f"members must be {{{', '.join(sorted(keys))}}}")  # fmt: skip
+    if entry["file"] != name:
+        return None
+    descr = [[n, dtype.fields[n][0].str] for n in dtype.names]
+    expect(entry["dtype"] == descr, mpath, "members dtype is not the layout of the spec")
+    expect(entry["size"] == count * dtype.itemsize, mpath, "members size != count")
+    expect(is_int(entry["crc32"], 0, 1 << 32), mpath, "members crc32 is not a CRC-32")
+    archives, source = entry["archives"], m["source"]
+    expect(
+        isinstance(archives, list)
+        and all(
+            isinstance(a, list)
+            and len(a) == 3
+            and is_name(a[0], max_path)
+            and is_int(a[1], 0, 1 << 62)
+            and is_int(a[2], -(1 << 63), 1 << 63)
+            for a in archives
+        ),
+        mpath,
+        "members archives must be [path, size, mtime_ns] lists",
+    )
+    # An archive is the source (a tar, a zip) or one of its shards: never a file elsewhere.
+    folders = {source["root"], os.path.dirname(source.get("pattern") or "")} - {""}
+    for path, _, _ in archives:
+        expect(
+            os.path.isabs(path) and (path == source["root"] or os.path.dirname(path) in folders),
+            mpath,
+            f"members archive {path!r} is neither the source nor a file in its folder",
+        )
+    return entry

@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the code that reads and checks its files.
 
-Format version 5.0
+Format version 5.1
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -14,10 +14,11 @@ A cache is one folder; move or copy it as a unit. Its files:
     undecodable byte as ``\\udc80`` to ``\\udcff``). Keys:
 
     - ``"magic"``: MUST be ``"mmcache"``.
-    - ``"format_version"``: ``[major, minor]``, 5.0 for every cache. A reader MUST refuse another
-      major (1.0 to 4.0 were development versions of mmcache, which readers refuse, saying how
-      to rebuild the cache) and SHOULD read a newer minor: a minor only adds keys a reader may
-      ignore. Whatever a reader must understand is a feature in ``"requires"``.
+    - ``"format_version"``: ``[major, minor]``, 5.1 for every cache written now (5.0 lacks only
+      ``"members"``). A reader MUST refuse another major (1.0 to 4.0 were development versions
+      of mmcache, which readers refuse, saying how to rebuild the cache) and SHOULD read a newer
+      minor: a minor only adds keys a reader may ignore. Whatever a reader must understand is a
+      feature in ``"requires"``.
     - ``"requires"``: the sorted list of the features this cache uses that a reader must
       understand, and no others: ``"layout:<name>"`` (always: the record layout,
       ``options["pixels"]``), ``"masks"`` (records carry masks, ``options["mask"]``),
@@ -58,6 +59,15 @@ A cache is one folder; move or copy it as a unit. Its files:
       checksums do not match. They catch accidental damage (any burst of up to 32 flipped bits),
       not a forger: the reader checks everything else as well.
 
+    - ``"members"`` (5.1, a cache of an archive source): ``{"file", "size", "crc32", "dtype",
+      "archives"}``: this generation's ``members`` file (``members-<generation>.bin``), its
+      exact size and zlib CRC-32, ``MEMBER_DTYPE`` spelled as ``index_dtype`` is, and the
+      archives the records' bytes lie in, ``[path, size, mtime_ns]`` each as listed, each the
+      source's ``root`` or a file directly in the folder of its ``root`` or ``pattern``. A
+      reader that ignores the key lists the archives again to find the members. A reader MUST
+      ignore an entry naming another generation's file (carried over by a writer that did not
+      know the key).
+
     Strings: class names are non-empty, unique, without NUL, at most ``MAX_NAME`` characters.
 
 ``index-<generation>.bin``
@@ -91,6 +101,20 @@ A cache is one folder; move or copy it as a unit. Its files:
     rows per record. Boxes are ``boxes`` (rows of x1, y1, x2, y2, ``<f4``, in the stored
     image's pixels, which span [0, width] x [0, height]) with per-box ``labels`` and
     ``iscrowd``.
+
+``members-<generation>.bin`` (with ``"members"``)
+    N records of ``MEMBER_DTYPE`` (32 bytes): where record i's source bytes lie, so that a lazy
+    fill, a check against the source or a repair reads its member without listing the archive.
+    ``archive`` (an index into ``members["archives"]``); ``offset`` and ``length``: the
+    member's stored bytes in it; ``header``: how many bytes before ``offset`` its headers
+    start (a tar's header blocks, long-name and pax ones included; a zip's local header);
+    ``method``: 0 stored, 8 deflated (zip's numbers); ``crc32``: the zip's CRC-32 of the
+    member when ``flags`` bit 0 is set (a tar member has none); other ``flags`` bits are 0. A
+    stored member's ``length`` is its record's ``source_size``. A reader MUST refuse a file
+    whose size or CRC-32 is not the manifest's, or a record outside its archive as recorded,
+    and reads a member's bytes only once the archive has the recorded size and mtime and the
+    headers at ``offset - header`` describe that member (its name, offset, length, and for a
+    tar its mtime): else it lists the archive again, as without the file.
 
 ``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
@@ -177,6 +201,7 @@ from ._manifest import (
     check_files,
     check_layout,
     check_manifest_checksum,
+    check_members,
     check_options,
     check_requires,
     check_source,
@@ -191,7 +216,8 @@ __all__ = [
     "BAD_UNDECODABLE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FEATURES", "FIELDS_KIND",
     "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FILL_MARKER_PREFIX", "FORMAT_VERSION",
     "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
-    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest",
+    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "MEMBERS_KIND", "MEMBER_DTYPE",
+    "Manifest",
     "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
     "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "manifest_checksum",
     "open_cache", "read_cache_files", "read_manifest", "record_nbytes", "record_shapes",
@@ -201,7 +227,7 @@ __all__ = [
 MAGIC = "mmcache"
 # The one version every writer writes. It follows the development versions 1.0 to 4.0 rather
 # than starting again at 1.0, so that no cache they wrote can pass for one of this format.
-FORMAT_VERSION = (5, 0)
+FORMAT_VERSION = (5, 1)
 # The features a cache may require (its manifest's "requires"): what this reader understands.
 FEATURES = ("fields", "fill-markers", "masks", *(f"layout:{name}" for name in px.LAYOUTS))
 MANIFEST_NAME = "manifest.json"
@@ -209,6 +235,8 @@ LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
 # The side file of a cache with fields.
 FIELDS_KIND = "fields"
+# The side file of a cache of an archive source: where each record's member lies in it.
+MEMBERS_KIND = "members"
 # The files of processes filling a lazy cache (see the spec).
 FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
@@ -247,6 +275,17 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 STATE_DTYPE = np.dtype([("crc32", "<u4"), ("state", "<u4")])
+MEMBER_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("archive", "<u4"),
+        ("header", "<u4"),
+        ("crc32", "<u4"),
+        ("method", "<u2"),
+        ("flags", "<u2"),
+    ]
+)
 
 EMPTY = 0
 FILLED = 1
@@ -316,9 +355,8 @@ def is_generation_file_name(name: str) -> bool:
     """Whether a folder entry is one of the files of a generation (``data-<gen>.bin``...)."""
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
-    return (
-        kind in (*FILE_KINDS, FIELDS_KIND) and ext == "bin" and len(gen) == 16 and is_hex(gen)
-    )
+    kinds = (*FILE_KINDS, FIELDS_KIND, MEMBERS_KIND)
+    return kind in kinds and ext == "bin" and len(gen) == 16 and is_hex(gen)
 
 
 @dataclass
@@ -346,6 +384,8 @@ class Manifest:
     data_generation: str = ""
     # The ``fields`` file's arrays, as ``{"name", "dtype", "shape"[, "classes"]}``.
     fields: list[dict[str, Any]] = field(default_factory=list)
+    # The ``members`` entry (its file's size, CRC-32, archives); None: members are listed again.
+    members: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.data_generation = self.data_generation or self.generation
@@ -380,6 +420,11 @@ class Manifest:
     def file_kinds(self) -> tuple[str, ...]:
         """The kinds of this generation's files: ``FILE_KINDS``, and ``fields`` if it has any."""
         return (*FILE_KINDS, FIELDS_KIND) if self.fields else FILE_KINDS
+
+    @property
+    def written_kinds(self) -> tuple[str, ...]:
+        """The kinds of all this generation's files: ``file_kinds``, and ``members`` if any."""
+        return (*self.file_kinds, MEMBERS_KIND) if self.members else self.file_kinds
 
     @property
     def shares_data(self) -> bool:
@@ -445,10 +490,11 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     check_layout(m["options"], mpath)
     check_options(m["options"], mpath)
     check_entries(m, mpath, MAX_PATH)
+    members = check_members(m, count, mpath, file_name(MEMBERS_KIND, gen), MEMBER_DTYPE, MAX_PATH)
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder", "checksums", "fields", "requires",
+        "fingerprints", "decoder", "checksums", "fields", "requires", "members",
     }  # fmt: skip
     manifest = Manifest(
         path=folder,
@@ -468,6 +514,7 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
         format_version=version,
         data_generation=data_gen,
         fields=fields,
+        members=members,
     )
     expect(
         requires == manifest.requires,

@@ -265,9 +265,9 @@ def _compare_source(
     except (TypeError, ValueError) as e:
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
     root = Path(m.source["root"])
-    sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
-    # An archive's members are found by listing it again; a file lies at its path.
-    members = SOURCES[m.source["kind"]].recorded(m.source, files.paths(), sizes, mtimes)
+    # An archive's members: where the members file places them (or listed again); a file
+    # lies at its path.
+    members = SOURCES[m.source["kind"]].recorded(files)
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}
