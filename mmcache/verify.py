@@ -26,7 +26,7 @@ from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
-from .sources import SOURCES, member_file
+from .sources import SOURCES, member_file, read_member_table
 
 __all__ = ["repair_cache", "verify_cache"]
 
@@ -62,8 +62,8 @@ def verify_cache(
 
     Raises:
         CacheNotFoundError: no cache there.
-        CacheFormatError: the cache is damaged in its structure (refused at open), or its data
-            file shrank while it was read.
+        CacheFormatError: the cache is damaged in its structure (refused at open, or its
+            members file), or its data file shrank while it was read.
 
     Examples:
         >>> report = verify_cache("cache/train", source="sample")  # doctest: +SKIP
@@ -83,6 +83,7 @@ def _check(
         source = "sample"
     if source not in SOURCE_MODES:
         raise ValueError(f"source must be False, 'sample' or 'all', got {source!r}")
+    read_member_table(files)  # (a cache of an archive: where its members lie, checked)
     n = len(files.index)
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
     chosen = _source_sample(files, filled, source, seed)
