@@ -63,7 +63,7 @@ A cache is one folder; move or copy it as a unit. Its files:
       "archives"}``: this generation's ``members`` file (``members-<generation>.bin``), its
       exact size and zlib CRC-32, ``MEMBER_DTYPE`` spelled as ``index_dtype`` is, and the
       archives the records' bytes lie in, ``[path, size, mtime_ns]`` each as listed, each the
-      source's ``root`` or a file directly in the folder of its ``root`` or ``pattern``. A
+      source's ``root`` or a file directly in it (shards) or in its ``pattern``'s folder. A
       reader that ignores the key lists the archives again to find the members. A reader MUST
       ignore an entry naming another generation's file (carried over by a writer that did not
       know the key).
