@@ -27,16 +27,19 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+import mmcache
+
 # The child: open the cache, time the first read of record ``i`` (a fill), print JSON.
 CHILD = """
 import json, sys, time
 start = time.perf_counter()
+import mmcache
 from mmcache import MemmapImageDataset
 ds = MemmapImageDataset(sys.argv[1], on_stale="ignore")
 opened = time.perf_counter()
 image = ds.read(int(sys.argv[2]))
 done = time.perf_counter()
-print(json.dumps({"fill": done - opened, "process": done - start, "shape": list(image.shape)}))
+print(json.dumps({"fill": done - opened, "process": done - start, "from": mmcache.__file__}))
 """
 
 
@@ -55,14 +58,13 @@ def write_tar(path: Path, members: int, side: int) -> None:
             t.addfile(info, io.BytesIO(data))
 
 
-def in_tree(tree: str | None, code: str, *args: str) -> str:
-    """Run ``code`` in a fresh Python that imports mmcache from ``tree`` (None: as this one)."""
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = tree
-    run = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=False
-    )
+def in_tree(tree: str, code: str, *args: str) -> str:
+    """Run ``code`` in a fresh Python that imports mmcache from the source tree ``tree``."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    # From the root folder: ``python -c`` puts its working folder first on sys.path, where a
+    # checkout would shadow ``tree``.
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd="/",
+                         capture_output=True, text=True, check=False)  # fmt: skip
     if run.returncode != 0:
         raise SystemExit(f"the child failed:\n{run.stderr[-3000:]}")
     return run.stdout
@@ -75,7 +77,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5, help="fresh processes per tree")
     p.add_argument("--trees", nargs="+", metavar="DIR", help="mmcache source trees to compare")
     args = p.parse_args()
-    trees: list[str | None] = list(args.trees or [None])
+    here = str(Path(mmcache.__file__).resolve().parents[1])  # the mmcache this Python imports
+    trees = [str(Path(t).resolve()) for t in args.trees or [here]]
     with tempfile.TemporaryDirectory(prefix="mmcache-member-fill-") as tmp:
         tar = Path(tmp) / "train.tar"
         start = time.perf_counter()
@@ -89,21 +92,24 @@ def main() -> None:
             make = "import sys; from mmcache import create_lazy_cache as c; c(*sys.argv[1:])"
             start = time.perf_counter()
             in_tree(tree, make, str(tar), str(cache))
-            print(f"lazy cache {k} ({tree or 'this mmcache'}): made in "
+            print(f"lazy cache {k} ({tree}): made in "
                   f"{time.perf_counter() - start:.1f} s")  # fmt: skip
             caches.append(cache)
         records = np.random.default_rng(1).choice(args.members, args.repeat, replace=False)
         times: list[list[dict]] = [[] for _ in trees]
         for i in records.tolist():  # the trees take turns, on the same record
             for k, tree in enumerate(trees):
-                times[k].append(json.loads(in_tree(tree, CHILD, str(caches[k]), str(i))))
+                run = json.loads(in_tree(tree, CHILD, str(caches[k]), str(i)))
+                if not run["from"].startswith(tree + os.sep):
+                    raise SystemExit(f"the child imported {run['from']}, not mmcache of {tree}")
+                times[k].append(run)
     print(f"{'tree':<40} {'first fill ms':>14} {'process ms':>11}  (median of {args.repeat})")
     medians = []
     for tree, runs in zip(trees, times):
         fill = statistics.median(r["fill"] for r in runs) * 1e3
         whole = statistics.median(r["process"] for r in runs) * 1e3
         medians.append(fill)
-        print(f"{tree or 'this mmcache':<40} {fill:>14.2f} {whole:>11.1f}")
+        print(f"{tree:<40} {fill:>14.2f} {whole:>11.1f}")
     if len(medians) > 1:
         print(f"first fill, first tree / last tree: {medians[0] / medians[-1]:,.1f}x")
 
