@@ -72,6 +72,23 @@ def _zip(src: Path, dest: Path) -> Path:
     return dest
 
 
+class _Stream:
+    """A file that cannot tell or seek (a pipe): zipfile writes each member's CRC-32 and sizes
+    after its data (a data descriptor), its local header holding zeros."""
+
+    def __init__(self, f) -> None:
+        self.write, self.flush = f.write, f.flush
+
+
+def _streamed_zip(src: Path, dest: Path) -> Path:
+    with open(dest, "wb") as f, zipfile.ZipFile(_Stream(f), "w") as z:
+        for k, p in enumerate(_images(src)):
+            method = zipfile.ZIP_DEFLATED if k % 2 else zipfile.ZIP_STORED
+            z.write(p, str(p.relative_to(src)), compress_type=method)
+    assert zipfile.ZipFile(dest).infolist()[0].flag_bits & 0x08
+    return dest
+
+
 def _shards(src: Path, dest: Path) -> Path:
     dest.mkdir()
     for s in range(2):
@@ -86,7 +103,7 @@ def _shards(src: Path, dest: Path) -> Path:
 
 ARCHIVES: dict[str, Callable[[Path, Path], Path]] = {
     "train.tar": _tar, "long.tar": _long_names, "outer.tar": _tar_of_tars, "train.zip": _zip,
-    "shards": _shards,
+    "streamed.zip": _streamed_zip, "shards": _shards,
 }  # fmt: skip
 
 
