@@ -28,6 +28,7 @@ from ._opening import open_for_reading, open_for_writing
 from ._writer import new_report
 from .errors import CacheFormatError
 from .reports import BuildReport
+from .sources import carry_member_table
 from .space import check_free_space, disk_bytes
 
 
@@ -68,8 +69,10 @@ def compact(cache: str | os.PathLike) -> BuildReport:
                 fields_blob=files.fields_blob,
             )
             extra = {**m.extra, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            members = carry_member_table(m, folder, gen)
             manifest = fmt.Manifest(**{**vars(m), "generation": gen, "data_generation": gen,
-                                       "sizes": sizes, "extra": extra})  # fmt: skip
+                                       "sizes": sizes, "extra": extra,
+                                       "members": members})  # fmt: skip
             write_manifest(manifest)
         retire(m, manifest)
     codes = files.state["state"]

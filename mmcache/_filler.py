@@ -36,8 +36,7 @@ from ._opening import create_exclusively, open_for_reading, open_for_writing
 from .annotations import recorded_mask_file
 from .decode import DEFAULT_MAX_PIXELS, Options, decode_record
 from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
-from .scan import IMAGE_EXTENSIONS
-from .sources import SOURCES, MemberFinder, decode_member
+from .sources import SOURCES, decode_member
 from .space import disk_full_error
 
 
@@ -54,10 +53,10 @@ class RecordFiller:
         if not source_given:
             check_trusted_source(m)
         self.root = str(m.source.get("root", ""))
-        # An archive's members are found by listing it again (their offsets are not recorded);
+        # An archive's members: where the cache's members file places them (or listed again);
         # a kind that reads its files itself gives its reader.
         source = SOURCES[m.source["kind"]]
-        self.members = None if source.reads_files else MemberFinder(m.source, IMAGE_EXTENSIONS)
+        self.members = source.recorded(files)
         self.reader = source.images
         try:
             self.options = Options.from_json(m.options)
@@ -108,8 +107,7 @@ class RecordFiller:
                 reader=self.reader,
             )  # fmt: skip
         else:
-            ref = self.members.ref(rel, size, mtime)
-            code, crc, _, pixels = decode_member(ref, size, mtime, self.options)
+            code, crc, _, pixels = decode_member(self.members.ref(i), size, mtime, self.options)
         if pixels is not None and px.image_shape(pixels) != self.files.shape(i):
             # The header promised another size (a lying header, an orientation the probe read
             # differently): the record's place is fixed, so the file is refused, never cropped.

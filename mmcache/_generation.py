@@ -44,6 +44,7 @@ from .format import (
     LOCK_NAME,
     MAGIC,
     MANIFEST_NAME,
+    MEMBERS_KIND,
     STATE_DTYPE,
     CacheFiles,
     Manifest,
@@ -56,6 +57,7 @@ from .format import (
     read_manifest,
     record_nbytes,
 )
+from .sources import read_member_table
 from .space import disk_full_error
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,7 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
         "fingerprints": manifest.fingerprints,
         "decoder": manifest.decoder,
         **({"fields": manifest.fields} if manifest.fields else {}),
+        **({"members": manifest.members} if manifest.members else {}),
         **manifest.extra,
     }
 
@@ -256,9 +259,12 @@ def open_lock(folder: Path) -> int:
 
 def open_existing(folder: Path) -> CacheFiles | None:
     """The cache a writer finds in ``folder``, or None: no cache, or a damaged one (which is
-    then rebuilt from scratch, nothing of it reused)."""
+    then rebuilt from scratch, nothing of it reused). Its members file too is checked: a
+    build is what writes it again."""
     try:
-        return read_cache_files(read_manifest(folder))
+        files = read_cache_files(read_manifest(folder))
+        read_member_table(files)
+        return files
     except CacheError:
         return None
 
@@ -274,15 +280,15 @@ def published_generation(folder: Path) -> str | None:
 def remove_generation(folder: Path, generation: str) -> None:
     """Delete the files named after ``generation`` (those that are there): a generation that
     was being written when its writer failed. A data file it appended to is not its own."""
-    for kind in (*FILE_KINDS, FIELDS_KIND):
+    for kind in (*FILE_KINDS, FIELDS_KIND, MEMBERS_KIND):
         with suppress(FileNotFoundError):
             os.unlink(folder / file_name(kind, generation))
 
 
 def retire(previous: Manifest, current: Manifest) -> None:
-    """Delete ``previous``'s files once ``current`` is published: its index, state and paths,
-    and its data file unless ``current``'s records lie in it too."""
-    for kind in previous.file_kinds:
+    """Delete ``previous``'s files once ``current`` is published: its index, state and paths
+    (its fields and members), and its data file unless ``current``'s records lie in it too."""
+    for kind in previous.written_kinds:
         if kind != "data" or previous.file("data") != current.file("data"):
             with suppress(FileNotFoundError):
                 os.unlink(previous.file(kind))
@@ -299,7 +305,7 @@ def remove_stale_generations(
     are now. ``resumed``: a generation being written again (a pull), whose files are kept."""
     keep = {MANIFEST_NAME, LOCK_NAME}
     for m in (current.manifest if current else None, resumed):
-        keep |= {m.file(kind).name for kind in m.file_kinds} if m else set()
+        keep |= {m.file(kind).name for kind in m.written_kinds} if m else set()
     for name in os.listdir(folder):  # generation files, and manifests half written
         if is_cache_file_name(name) and name not in keep and not is_fill_marker_name(name):
             with suppress(FileNotFoundError):

@@ -7,6 +7,7 @@ for a folder without a manifest) with the words ``read_manifest`` always gave.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from typing import Any
 
 from . import pixels as px
 from ._checks import expect, fail, is_int, is_name
+from ._opening import read_whole
+from .errors import CacheNotFoundError
 from .options import Options
 
 
@@ -45,6 +48,39 @@ def no_manifest(folder: Path, manifest_name: str, is_cache_file_name: Callable[[
         f"{folder}: no finished cache here ({manifest_name} is missing: a build was stopped "
         "before it published, or is running now); run `mmcache build` again"
     )
+
+
+def load_manifest_json(
+    folder: Path,
+    mpath: Path,
+    max_bytes: int,
+    max_cost: int,
+    is_cache_file_name: Callable[[str], bool],
+) -> dict[str, Any]:
+    """The manifest's JSON object, read with a bound on its size and on its parse's cost."""
+    if not folder.is_dir():
+        raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
+    try:
+        raw = read_whole(mpath, max_bytes + 1)
+    except FileNotFoundError:
+        raise CacheNotFoundError(no_manifest(folder, mpath.name, is_cache_file_name)) from None
+    return parse_json_object(raw, mpath, max_bytes, max_cost)
+
+
+def parse_json_object(raw: bytes, mpath: Path, max_bytes: int, max_cost: int) -> dict[str, Any]:
+    """The JSON object ``raw`` (a manifest, here or fetched), within a manifest's bounds."""
+    expect(len(raw) <= max_bytes, mpath, f"larger than {max_bytes} bytes")
+    cost = manifest_parse_cost(raw)
+    expect(cost <= max_cost, mpath, f"{len(raw):,} bytes of JSON whose parse would take about "
+           f"{cost:,} bytes of memory, more than the {max_cost:,} a manifest may: not a "
+           "manifest mmcache wrote")  # fmt: skip
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError also covers integers of over 4300 digits, which Python refuses to parse.
+        raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
+    expect(isinstance(m, dict), mpath, "expected a JSON object")
+    return m
 
 
 def check_version(
@@ -134,6 +170,39 @@ def check_manifest_checksum(
     return checksums
 
 
+def check_files(
+    m: dict[str, Any],
+    kinds: tuple[str, ...],
+    gen: str,
+    mpath: Path,
+    file_name: Callable[[str, str], str],
+    data_generation: Callable[[Any], str | None],
+    max_bytes: int,
+) -> tuple[str, dict[str, int]]:
+    """The generation whose data file holds the records (``data_generation`` of its name), and
+    the sizes of the files of ``kinds``, each named ``file_name(kind, gen)`` but the data file."""
+    files: Any = m.get("files")
+    expect(
+        isinstance(files, dict)
+        and set(files) == set(kinds)
+        and all(files[kind] == file_name(kind, gen) for kind in kinds if kind != "data"),
+        mpath,
+        "file names do not match the generation",
+    )
+    data_gen = data_generation(files["data"])
+    if data_gen is None:
+        raise fail(mpath, f"data file name {files['data']!r} is not data-<16 hex digits>.bin")
+    sizes: Any = m.get("sizes")
+    expect(
+        isinstance(sizes, dict)
+        and set(sizes) == set(kinds)
+        and all(is_int(v, 0, max_bytes) for v in sizes.values()),
+        mpath,
+        "bad file sizes",
+    )
+    return data_gen, sizes
+
+
 def check_source(source: dict[str, Any], mpath: Path, max_path: int) -> None:
     """The source's kind is one of mmcache.sources' table, and its paths are names."""
     # Asked here, when a manifest is read: the kinds read their bytes through the decoder,
@@ -202,3 +271,46 @@ def _is_entry(e: Any, max_path: int) -> bool:
         and isinstance(e.get("reason"), str)
         and all(is_int(e.get(k, 0), -(1 << 63), 1 << 63) for k in ("size", "mtime_ns", "state"))
     )
+
+
+def check_members(
+    m: dict[str, Any], count: int, mpath: Path, name: str, dtype: Any, max_path: int
+) -> dict[str, Any] | None:
+    """The ``members`` entry, its file named ``name`` and of records of ``dtype``, its archives
+    the source's (None: no entry, or one naming another generation's file, which a writer that
+    did not know the key carried over: the members are listed again)."""
+    entry = m.get("members")
+    if entry is None:
+        return None
+    keys = {"file", "size", "crc32", "dtype", "archives"}
+    expect(isinstance(entry, dict) and set(entry) == keys, mpath,
+           f"members must be {{{', '.join(sorted(keys))}}}")  # fmt: skip
+    if entry["file"] != name:
+        return None
+    descr = [[n, dtype.fields[n][0].str] for n in dtype.names]
+    expect(entry["dtype"] == descr, mpath, "members dtype is not the layout of the spec")
+    expect(entry["size"] == count * dtype.itemsize, mpath, "members size != count")
+    expect(is_int(entry["crc32"], 0, 1 << 32), mpath, "members crc32 is not a CRC-32")
+    archives, source = entry["archives"], m["source"]
+    expect(
+        isinstance(archives, list)
+        and all(
+            isinstance(a, list)
+            and len(a) == 3
+            and is_name(a[0], max_path)
+            and is_int(a[1], 0, 1 << 62)
+            and is_int(a[2], -(1 << 63), 1 << 63)
+            for a in archives
+        ),
+        mpath,
+        "members archives must be [path, size, mtime_ns] lists",
+    )
+    # An archive is the source (a tar, a zip) or one of its shards: never a file elsewhere.
+    folders = {source["root"], os.path.dirname(source.get("pattern") or "")} - {""}
+    for path, _, _ in archives:
+        expect(
+            os.path.isabs(path) and (path == source["root"] or os.path.dirname(path) in folders),
+            mpath,
+            f"members archive {path!r} is neither the source nor a file in its folder",
+        )
+    return entry

@@ -72,7 +72,7 @@ from .errors import (
 )
 from .reports import BuildReport, ProgressFn
 from .scan import Listing, scan_source
-from .sources import SOURCES
+from .sources import SOURCES, carry_member_table, write_member_table
 from .space import (
     check_free_space,
     disk_bytes,
@@ -515,6 +515,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     sizes = write_generation(
         g.folder, g.gen, index, records, paths_blob, data_bytes, g.data_gen, blob
     )
+    members = write_member_table(g.folder, g.gen, listing.members, keep)  # (archives only)
     manifest = fmt.Manifest(
         path=g.folder,
         generation=g.gen,
@@ -530,6 +531,7 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         decoder=decoder_versions(),
         sizes=sizes,
         fields=specs,
+        members=members,
         extra={
             "mmcache_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -714,6 +716,7 @@ def redecode(
             )
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
             manifest = fmt.Manifest(**{**vars(m), "generation": g.gen, "sizes": sizes,
+                                       "members": carry_member_table(m, m.path, g.gen),
                                        "extra": {**m.extra, "created": created}})  # fmt: skip
             publish(files, manifest)
     except _NothingRepaired:
@@ -735,10 +738,8 @@ def _recorded_listing(files: fmt.CacheFiles) -> Listing:
         mtimes=files.index["source_mtime_ns"].astype(np.int64),
         annotations=recorded_annotations(files),
     )
-    # An archive's members are found by listing it again; a file lies at its path.
-    listing.members = SOURCES[listing.kind].recorded(
-        m.source, listing.paths, listing.sizes, listing.mtimes
-    )
+    # An archive's members: where the members file places them; a file lies at its path.
+    listing.members = SOURCES[listing.kind].recorded(files)
     return listing
 
 

@@ -35,6 +35,7 @@ from ._generation import (
 from ._opening import open_for_reading
 from .errors import CacheFormatError, DestinationError
 from .reports import CopyReport, ProgressFn, VerifyReport
+from .sources import carry_member_table
 from .space import check_free_space, disk_bytes
 from .verify import check_checksums
 
@@ -155,9 +156,9 @@ def _copy_generation(
             finally:
                 os.close(dst)
         fsync_dir(folder)
-        copy = fmt.Manifest(
-            **{**vars(m), "path": folder, "generation": gen, "data_generation": gen}
-        )
+        members = carry_member_table(m, folder, gen)  # (checked as it is read)
+        copy = fmt.Manifest(**{**vars(m), "path": folder, "generation": gen,
+                               "data_generation": gen, "members": members})  # fmt: skip
         verified = _verify(files, copy)
     return copied, verified, copy
 

@@ -1,6 +1,6 @@
 """The on-disk cache format: its specification, and the code that reads and checks its files.
 
-Format version 5.0
+Format version 5.1
 ==================
 
 A cache is one folder; move or copy it as a unit. Its files:
@@ -14,10 +14,11 @@ A cache is one folder; move or copy it as a unit. Its files:
     undecodable byte as ``\\udc80`` to ``\\udcff``). Keys:
 
     - ``"magic"``: MUST be ``"mmcache"``.
-    - ``"format_version"``: ``[major, minor]``, 5.0 for every cache. A reader MUST refuse another
-      major (1.0 to 4.0 were development versions of mmcache, which readers refuse, saying how
-      to rebuild the cache) and SHOULD read a newer minor: a minor only adds keys a reader may
-      ignore. Whatever a reader must understand is a feature in ``"requires"``.
+    - ``"format_version"``: ``[major, minor]``, 5.1 for every cache written now (5.0 lacks only
+      ``"members"``). A reader MUST refuse another major (1.0 to 4.0 were development versions
+      of mmcache, which readers refuse, saying how to rebuild the cache) and SHOULD read a newer
+      minor: a minor only adds keys a reader may ignore. Whatever a reader must understand is a
+      feature in ``"requires"``.
     - ``"requires"``: the sorted list of the features this cache uses that a reader must
       understand, and no others: ``"layout:<name>"`` (always: the record layout,
       ``options["pixels"]``), ``"masks"`` (records carry masks, ``options["mask"]``),
@@ -58,6 +59,15 @@ A cache is one folder; move or copy it as a unit. Its files:
       checksums do not match. They catch accidental damage (any burst of up to 32 flipped bits),
       not a forger: the reader checks everything else as well.
 
+    - ``"members"`` (5.1, a cache of an archive source): ``{"file", "size", "crc32", "dtype",
+      "archives"}``: this generation's ``members`` file (``members-<generation>.bin``), its
+      exact size and zlib CRC-32, ``MEMBER_DTYPE`` spelled as ``index_dtype`` is, and the
+      archives the records' bytes lie in, ``[path, size, mtime_ns]`` each as listed, each the
+      source's ``root`` or a file directly in it (shards) or in its ``pattern``'s folder. A
+      reader that ignores the key lists the archives again to find the members. A reader MUST
+      ignore an entry naming another generation's file (carried over by a writer that did not
+      know the key).
+
     Strings: class names are non-empty, unique, without NUL, at most ``MAX_NAME`` characters.
 
 ``index-<generation>.bin``
@@ -91,6 +101,20 @@ A cache is one folder; move or copy it as a unit. Its files:
     rows per record. Boxes are ``boxes`` (rows of x1, y1, x2, y2, ``<f4``, in the stored
     image's pixels, which span [0, width] x [0, height]) with per-box ``labels`` and
     ``iscrowd``.
+
+``members-<generation>.bin`` (with ``"members"``)
+    N records of ``MEMBER_DTYPE`` (32 bytes): where record i's source bytes lie, so that a lazy
+    fill, a check against the source or a repair reads its member without listing the archive.
+    ``archive`` (an index into ``members["archives"]``); ``offset`` and ``length``: the
+    member's stored bytes in it; ``header``: how many bytes before ``offset`` its headers
+    start (a tar's header blocks, long-name and pax ones included; a zip's local header);
+    ``method``: 0 stored, 8 deflated (zip's numbers); ``crc32``: the zip's CRC-32 of the
+    member when ``flags`` bit 0 is set (a tar member has none); other ``flags`` bits are 0. A
+    stored member's ``length`` is its record's ``source_size``. A reader MUST refuse a file
+    whose size or CRC-32 is not the manifest's, or a record outside its archive as recorded,
+    and reads a member's bytes only once the archive has the recorded size and mtime and the
+    headers at ``offset - header`` describe that member (its name, offset, length, and for a
+    tar its mtime): else it lists the archive again, as without the file.
 
 ``data-<id>.bin``
     Raw pixels: record i is ``height * width * channels`` uint8 bytes at ``offset``, row-major
@@ -174,26 +198,28 @@ from ._checks import (
 from ._fields import FIELD_DTYPES, check_fields, read_fields
 from ._manifest import (
     check_entries,
+    check_files,
     check_layout,
     check_manifest_checksum,
+    check_members,
     check_options,
     check_requires,
     check_source,
     check_version,
-    manifest_parse_cost,
-    no_manifest,
+    load_manifest_json,
 )
-from ._opening import link_refused, read_whole
-from .errors import CacheFormatError, CacheNotFoundError
+from ._opening import link_refused
+from .errors import CacheFormatError
 
 __all__ = [
     "BAD_HEADER_MISMATCH", "BAD_MASK", "BAD_REASONS", "BAD_SOURCE_CHANGED", "BAD_TOO_LARGE",
     "BAD_UNDECODABLE", "CacheFiles", "DATA_ALIGN", "EMPTY", "FEATURES", "FIELDS_KIND",
     "FIELD_DTYPES", "FILE_KINDS", "FILLED", "FILL_MARKER_PREFIX", "FORMAT_VERSION",
     "INDEX_DTYPE", "LOCK_NAME", "MAGIC", "MANIFEST_NAME", "MAX_CHANNELS", "MAX_FILE_BYTES",
-    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "Manifest",
+    "MAX_MANIFEST_BYTES", "MAX_NAME", "MAX_PATH", "MAX_SIDE", "MEMBERS_KIND", "MEMBER_DTYPE",
+    "Manifest",
     "STATE_DTYPE", "cache_folder", "check_relative_path", "dtype_descr", "file_name",
-    "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name", "json_object",
+    "is_cache_file_name", "is_fill_marker_name", "is_generation_file_name",
     "manifest_checksum", "manifest_from_json", "open_cache", "read_cache_files", "read_manifest",
     "record_nbytes", "record_shapes", "validate_records",
 ]  # fmt: skip
@@ -201,7 +227,7 @@ __all__ = [
 MAGIC = "mmcache"
 # The one version every writer writes. It follows the development versions 1.0 to 4.0 rather
 # than starting again at 1.0, so that no cache they wrote can pass for one of this format.
-FORMAT_VERSION = (5, 0)
+FORMAT_VERSION = (5, 1)
 # The features a cache may require (its manifest's "requires"): what this reader understands.
 FEATURES = ("fields", "fill-markers", "masks", *(f"layout:{name}" for name in px.LAYOUTS))
 MANIFEST_NAME = "manifest.json"
@@ -209,6 +235,8 @@ LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
 # The side file of a cache with fields.
 FIELDS_KIND = "fields"
+# The side file of a cache of an archive source: where each record's member lies in it.
+MEMBERS_KIND = "members"
 # The files of processes filling a lazy cache (see the spec).
 FILL_MARKER_PREFIX = "filling-"
 # A manifest lists class names and skipped files; 64 MiB holds millions of them and bounds
@@ -247,6 +275,17 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 STATE_DTYPE = np.dtype([("crc32", "<u4"), ("state", "<u4")])
+MEMBER_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("archive", "<u4"),
+        ("header", "<u4"),
+        ("crc32", "<u4"),
+        ("method", "<u2"),
+        ("flags", "<u2"),
+    ]
+)
 
 EMPTY = 0
 FILLED = 1
@@ -316,9 +355,8 @@ def is_generation_file_name(name: str) -> bool:
     """Whether a folder entry is one of the files of a generation (``data-<gen>.bin``...)."""
     kind, _, rest = name.partition("-")
     gen, _, ext = rest.partition(".")
-    return (
-        kind in (*FILE_KINDS, FIELDS_KIND) and ext == "bin" and len(gen) == 16 and is_hex(gen)
-    )
+    kinds = (*FILE_KINDS, FIELDS_KIND, MEMBERS_KIND)
+    return kind in kinds and ext == "bin" and len(gen) == 16 and is_hex(gen)
 
 
 @dataclass
@@ -346,6 +384,8 @@ class Manifest:
     data_generation: str = ""
     # The ``fields`` file's arrays, as ``{"name", "dtype", "shape"[, "classes"]}``.
     fields: list[dict[str, Any]] = field(default_factory=list)
+    # The ``members`` entry (its file's size, CRC-32, archives); None: members are listed again.
+    members: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.data_generation = self.data_generation or self.generation
@@ -382,6 +422,11 @@ class Manifest:
         return (*FILE_KINDS, FIELDS_KIND) if self.fields else FILE_KINDS
 
     @property
+    def written_kinds(self) -> tuple[str, ...]:
+        """The kinds of all this generation's files: ``file_kinds``, and ``members`` if any."""
+        return (*self.file_kinds, MEMBERS_KIND) if self.members else self.file_kinds
+
+    @property
     def shares_data(self) -> bool:
         """Whether this generation's records lie in the data file of an earlier generation."""
         return self.data_generation != self.generation
@@ -416,7 +461,8 @@ def read_manifest(cache: str | os.PathLike) -> Manifest:
     """
     folder = cache_folder(cache)
     mpath = folder / MANIFEST_NAME
-    return manifest_from_json(_load_manifest_json(folder, mpath), folder, mpath)
+    m = load_manifest_json(folder, mpath, MAX_MANIFEST_BYTES, MAX_MANIFEST_COST, is_cache_file_name)
+    return manifest_from_json(m, folder, mpath)
 
 
 def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest:
@@ -436,7 +482,11 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
     for key, dtype in (("index_dtype", INDEX_DTYPE), ("state_dtype", STATE_DTYPE)):
         expect(m.get(key) == dtype_descr(dtype), mpath, f"{key} is not the layout of the spec")
     fields = check_fields(m.get("fields", []), mpath, MAX_NAME)
-    data_gen, sizes = _check_files(m, gen, count, mpath, bool(fields))
+    kinds = (*FILE_KINDS, FIELDS_KIND) if fields else FILE_KINDS
+    data_gen, sizes = check_files(m, kinds, gen, mpath, file_name, _data_generation, MAX_FILE_BYTES)
+    expect(sizes["index"] == count * INDEX_DTYPE.itemsize, mpath, "index size != count")
+    expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
+    expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
     mode: Any = m.get("mode")
     expect(mode in ("build", "lazy"), mpath, f"unknown mode {mode!r}")
     classes = check_names(m.get("classes"), mpath, MAX_NAME)
@@ -447,10 +497,11 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
     check_layout(m["options"], mpath)
     check_options(m["options"], mpath)
     check_entries(m, mpath, MAX_PATH)
+    members = check_members(m, count, mpath, file_name(MEMBERS_KIND, gen), MEMBER_DTYPE, MAX_PATH)
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder", "checksums", "fields", "requires",
+        "fingerprints", "decoder", "checksums", "fields", "requires", "members",
     }  # fmt: skip
     manifest = Manifest(
         path=folder,
@@ -470,6 +521,7 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
         format_version=version,
         data_generation=data_gen,
         fields=fields,
+        members=members,
     )
     expect(
         requires == manifest.requires,
@@ -478,64 +530,6 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
         "damaged or edited; rebuild the cache",
     )
     return manifest
-
-
-def _load_manifest_json(folder: Path, mpath: Path) -> dict[str, Any]:
-    """The manifest's JSON object, read with a bound on its size."""
-    if not folder.is_dir():
-        raise CacheNotFoundError(f"{folder}: no cache here (not a folder)")
-    try:
-        raw = read_whole(mpath, MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise CacheNotFoundError(no_manifest(folder, MANIFEST_NAME, is_cache_file_name)) from None
-    return json_object(raw, mpath)
-
-
-def json_object(raw: bytes, mpath: Path) -> dict[str, Any]:
-    """The JSON object ``raw`` (a manifest), parsed within the bounds a manifest has."""
-    expect(len(raw) <= MAX_MANIFEST_BYTES, mpath, f"larger than {MAX_MANIFEST_BYTES} bytes")
-    cost = manifest_parse_cost(raw)
-    expect(cost <= MAX_MANIFEST_COST, mpath, f"{len(raw):,} bytes of JSON whose parse would "
-           f"take about {cost:,} bytes of memory, more than the {MAX_MANIFEST_COST:,} a "
-           "manifest may: not a manifest mmcache wrote")  # fmt: skip
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError also covers integers of over 4300 digits, which Python refuses to parse.
-        raise fail(mpath, f"not valid JSON ({e}); the file seems damaged") from None
-    expect(isinstance(m, dict), mpath, "expected a JSON object")
-    return m
-
-
-def _check_files(
-    m: dict[str, Any], gen: str, count: int, mpath: Path, has_fields: bool
-) -> tuple[str, dict[str, int]]:
-    """The generation whose data file holds the records, and the files' sizes."""
-    files: Any = m.get("files")
-    own = (*FILE_KINDS[:3], FIELDS_KIND) if has_fields else FILE_KINDS[:3]
-    kinds = (*FILE_KINDS, FIELDS_KIND) if has_fields else FILE_KINDS
-    expect(
-        isinstance(files, dict)
-        and set(files) == set(kinds)
-        and all(files[kind] == file_name(kind, gen) for kind in own),
-        mpath,
-        "file names do not match the generation",
-    )
-    data_gen = _data_generation(files["data"])
-    if data_gen is None:
-        raise fail(mpath, f"data file name {files['data']!r} is not data-<16 hex digits>.bin")
-    sizes: Any = m.get("sizes")
-    expect(
-        isinstance(sizes, dict)
-        and set(sizes) == set(kinds)
-        and all(is_int(v, 0, MAX_FILE_BYTES) for v in sizes.values()),
-        mpath,
-        "bad file sizes",
-    )
-    expect(sizes["index"] == count * INDEX_DTYPE.itemsize, mpath, "index size != count")
-    expect(sizes["state"] == count * STATE_DTYPE.itemsize, mpath, "state size != count")
-    expect(sizes["paths"] >= count, mpath, "paths file smaller than one byte per record")
-    return data_gen, sizes
 
 
 def _data_generation(name: Any) -> str | None:

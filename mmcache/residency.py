@@ -259,7 +259,7 @@ def cache_info(
             (int(height), int(width), int(channels))
             for height, width, channels in (shapes[np.argmin(pixels)], shapes[np.argmax(pixels)])
         )
-    paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in m.file_kinds]
+    paths = [m.path / fmt.MANIFEST_NAME] + [m.file(kind) for kind in m.written_kinds]
     stats = [p.stat() for p in paths]
     garbage = garbage_bytes(files)
     ram = memory()
@@ -437,7 +437,7 @@ def evict_cache(cache: str | os.PathLike) -> int | None:
         CacheNotFoundError, CacheFormatError: as opening the cache does.
     """
     manifest = fmt.read_manifest(cache)
-    for kind in manifest.file_kinds:
+    for kind in manifest.written_kinds:
         evict_file(manifest.file(kind))
     return resident_bytes(manifest.file("data"), 0, manifest.sizes["data"])
 

@@ -26,7 +26,7 @@ from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image, read_sample
 from .errors import CacheFormatError
 from .reports import BadRecord, ProgressFn, RepairReport, VerifyReport
-from .sources import SOURCES, ImageReader, member_file
+from .sources import SOURCES, ImageReader, member_file, read_member_table
 
 __all__ = ["repair_cache", "verify_cache"]
 
@@ -62,8 +62,8 @@ def verify_cache(
 
     Raises:
         CacheNotFoundError: no cache there.
-        CacheFormatError: the cache is damaged in its structure (refused at open), or its data
-            file shrank while it was read.
+        CacheFormatError: the cache is damaged in its structure (refused at open, or its
+            members file), or its data file shrank while it was read.
 
     Examples:
         >>> report = verify_cache("cache/train", source="sample")  # doctest: +SKIP
@@ -83,6 +83,7 @@ def _check(
         source = "sample"
     if source not in SOURCE_MODES:
         raise ValueError(f"source must be False, 'sample' or 'all', got {source!r}")
+    read_member_table(files)  # (a cache of an archive: where its members lie, checked)
     n = len(files.index)
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
     chosen = _source_sample(files, filled, source, seed)
@@ -265,11 +266,10 @@ def _compare_source(
     except (TypeError, ValueError) as e:
         raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
     root = Path(m.source["root"])
-    sizes, mtimes = files.index["source_size"], files.index["source_mtime_ns"]
-    # An archive's members are found by listing it again; a file lies at its path, read by
-    # OpenCV or by its kind's own reader.
+    # An archive's members: where the members file places them (or listed again); a file
+    # lies at its path, read by OpenCV or by its kind's own reader.
     kind = SOURCES[m.source["kind"]]
-    members = kind.recorded(m.source, files.paths(), sizes, mtimes)
+    members = kind.recorded(files)
     index = files.index
     path = m.file("data")
     known = {b.index for b in report.bad}

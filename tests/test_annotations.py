@@ -276,7 +276,7 @@ def test_a_damaged_fields_file_or_description_is_refused(seg, tmp_path):
     images, masks = seg
     build_cache(images, tmp_path / "c", masks=masks, workers=0)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert m["format_version"] == [5, 0] and m["requires"] == ["fields", "layout:rgb", "masks"]
+    assert m["format_version"] == [5, 1] and m["requires"] == ["fields", "layout:rgb", "masks"]
     path = tmp_path / "c" / m["files"]["fields"]
     blob = bytearray(path.read_bytes())
     blob[3] ^= 0xFF

@@ -423,17 +423,15 @@ def test_the_tarfile_fallback_lists_what_the_header_parser_lists(tmp_path, form)
 def test_a_cache_s_recorded_members_probe_as_the_listed_ones(tmp_path, src):
     # Both kinds of a Listing's ``members`` are called ``probe(i, size, exif)``; the recorded
     # ones (repair's listing) once took no size, and a repair that probed one failed.
-    from mmcache.scan import IMAGE_EXTENSIONS
-    from mmcache.sources import RecordedMembers
+    from mmcache.sources import SOURCES
 
     tar = tar_of(src, tmp_path / "train.tar")
     build_cache(tar, tmp_path / "cache", workers=0)
     files = fmt.read_cache_files(fmt.read_manifest(tmp_path / "cache"))
     listing = scan_source(tar)
     assert listing.members is not None and listing.paths == files.paths()
-    sizes, mtimes = (files.index[k].astype(np.int64) for k in ("source_size", "source_mtime_ns"))
-    paths = files.paths()
-    recorded = RecordedMembers(files.manifest.source, IMAGE_EXTENSIONS, paths, sizes, mtimes)
+    recorded = SOURCES[files.manifest.source["kind"]].recorded(files)
+    assert recorded is not None
     for i in range(len(listing)):
         size = int(listing.sizes[i])
         assert recorded.probe(i, size, True) == listing.members.probe(i, size, True) is not None

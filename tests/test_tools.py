@@ -32,6 +32,7 @@ SMOKE = [
                         "--batch-size", "4", "--workers", "0"], "lazy epoch one / decoding epoch"),
     ("loader_bench.py", ["--images", "8", "--size", "64x48", "--batch-size", "4",
                          "--workers", "0", "--epochs", "2"], "BatchLoader / copy loop"),
+    ("member_fill.py", ["--members", "300", "--repeat", "1"], "first fill ms"),
     ("scale.py", ["--images", "40", "--classes", "4"], "build from the tar of tars / from the"),
     ("verify_cost.py", ["--images", "8", "--size", "64x48", "--repeat", "1"], "mmcache verify"),
     ("yuv_closeness.py", ["--photos", "2", "--photo-size", "64x48", "--short-side", "32",

@@ -198,7 +198,7 @@ def test_plan_shows_both_layouts_and_info_the_layout(src, yuv, capsys):
     assert "data as yuv420" in out and "policy (rgb, rgb)" in out
     assert main(["info", str(yuv)]) == 0
     out = capsys.readouterr().out
-    assert "pixels:     yuv420" in out and "format:     5.0" in out
+    assert "pixels:     yuv420" in out and "format:     5.1" in out
 
 
 def test_verify_finds_a_flipped_byte_in_a_chroma_plane(yuv):

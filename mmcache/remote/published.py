@@ -5,7 +5,7 @@ Published format 1.0
 
 A cache published under a prefix is these objects (keys relative to the prefix):
 
-``index-<g>.bin``, ``state-<g>.bin``, ``paths-<g>.bin``, ``fields-<g>.bin``
+``index-<g>.bin``, ``state-<g>.bin``, ``paths-<g>.bin``, ``fields-<g>.bin``, ``members-<g>.bin``
     The files of generation ``<g>`` of the cache (``mmcache.format``), each one object.
 ``data-<id>.<start>.<size>.<crc>``
     A chunk of the data file ``data-<id>.bin``: its ``size`` bytes from byte ``start`` (both
@@ -45,6 +45,7 @@ from typing import Any, cast
 
 from .. import format as fmt
 from .._checks import expect, is_int
+from .._manifest import parse_json_object
 from ..errors import CacheFormatError, CacheNotFoundError
 from .stores import Store
 
@@ -56,7 +57,7 @@ CHUNK_BYTES = 64 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 4 << 30
 # The keys a push may delete when no publication names them any more (nothing else is touched).
 OWN_KEY = re.compile(
-    r"(index|state|paths|fields)-[0-9a-f]{16}\.bin|data-[0-9a-f]{16}(\.[0-9a-f]+){2}\.[0-9a-f]{8}"
+    r"(index|state|paths|fields|members)-[0-9a-f]{16}\.bin|data-[0-9a-f]{16}(\.[0-9a-f]+){2}\.[0-9a-f]{8}"
 )
 
 
@@ -88,6 +89,11 @@ class Published:
                 break
             found.append(c)
         return found
+
+
+def file_size(m: fmt.Manifest, kind: str) -> int:
+    """The size of ``m``'s file of ``kind`` (the members file's is in its own entry)."""
+    return m.members["size"] if kind == fmt.MEMBERS_KIND and m.members else m.sizes[kind]
 
 
 def chunk_key(data_name: str, start: int, size: int, crc: int) -> str:
@@ -129,7 +135,7 @@ def read_published(store: Store, folder: Path) -> Published:
             f"{store.url}: no cache published here (no {REMOTE_NAME}); push one with "
             f"`mmcache push CACHE {store.url}`"
         )
-    d = fmt.json_object(raw, where)
+    d = manifest_object(raw, where)
     expect(d.get("magic") == MAGIC, where, f"not an mmcache publication (magic {MAGIC!r})")
     version = d.get("version")
     expect(
@@ -150,14 +156,14 @@ def read_published(store: Store, folder: Path) -> Published:
 
 
 def _checked_objects(objects: Any, m: fmt.Manifest, where: Path) -> dict[str, dict[str, Any]]:
-    kinds = [kind for kind in m.file_kinds if kind != "data"]
+    kinds = [kind for kind in m.written_kinds if kind != "data"]
     expect(isinstance(objects, dict) and sorted(objects) == sorted(kinds), where, "bad objects")
     for kind in kinds:
         o = objects[kind]
         expect(
             isinstance(o, dict)
             and o.get("key") == m.file(kind).name
-            and o.get("size") == m.sizes[kind]
+            and o.get("size") == file_size(m, kind)
             and is_int(o.get("crc32"), 0, 1 << 32),
             where,
             f"object of the {kind} file does not match the manifest",
@@ -183,3 +189,8 @@ def _checked_chunks(data: Any, m: fmt.Manifest, where: Path) -> tuple[int, list]
         at += c["size"]
     expect(at == m.sizes["data"], where, f"data chunks cover {at} bytes, not {m.sizes['data']}")
     return chunk, chunks
+
+
+def manifest_object(raw: bytes, where: Path) -> dict[str, Any]:
+    """The JSON object ``raw``, within the bounds of a manifest."""
+    return parse_json_object(raw, where, fmt.MAX_MANIFEST_BYTES, fmt.MAX_MANIFEST_COST)

@@ -28,7 +28,7 @@ from ..errors import CacheFormatError, DestinationError
 from ..reports import ProgressFn, PullReport, VerifyReport
 from ..space import check_free_space, disk_bytes
 from ..verify import check_checksums
-from .published import Published, read_published
+from .published import Published, file_size, read_published
 from .stores import RETRY_SECONDS, Store, open_store
 
 __all__ = ["pull_cache"]
@@ -109,7 +109,7 @@ def _pull(
     existed = data.exists()
     # Before anything is fetched: what the manifest says it needs (a forged size is refused
     # here, never allocated).
-    needed = {k: v for k, v in m.sizes.items() if k != "data" or not existed}
+    needed = {k: file_size(m, k) for k in m.written_kinds if k != "data" or not existed}
     check_free_space(m.path, disk_bytes(needed), advice="free some space or pull elsewhere")
     for kind, o in published.objects.items():
         _fetch_whole(store, o, m.file(kind))

@@ -21,6 +21,8 @@ from .published import (
     Published,
     chunk_key,
     description,
+    file_size,
+    manifest_object,
     read_published,
 )
 from .stores import RETRY_SECONDS, open_store
@@ -72,9 +74,9 @@ def push_cache(
     fmt.read_manifest(folder)  # (a missing or damaged cache is named as a reader names it)
     # The manifest exactly as published locally: read once, checked, and then sent as it is.
     mpath = folder / fmt.MANIFEST_NAME
-    manifest = fmt.json_object(read_whole(mpath, fmt.MAX_MANIFEST_BYTES + 1), mpath)
+    manifest = manifest_object(read_whole(mpath, fmt.MAX_MANIFEST_BYTES + 1), mpath)
     m = fmt.manifest_from_json(manifest, folder, mpath)
-    fds = {kind: open_for_reading(m.file(kind)) for kind in m.file_kinds}
+    fds = {kind: open_for_reading(m.file(kind)) for kind in m.written_kinds}
     try:
         files = fmt.read_cache_files(m)  # the state as it is now: a snapshot of its bytes
         empty = int((files.state["state"] == fmt.EMPTY).sum())
@@ -125,10 +127,11 @@ def _upload(
     chunks: list[dict[str, Any]] = []
     data = m.file("data").name
     with ThreadPoolExecutor(concurrency) as pool:
-        for kind in m.file_kinds:
+        for kind in m.written_kinds:
             if kind != "data":
-                blob = blobs.get(kind) or os.pread(fds[kind], m.sizes[kind], 0)
-                if len(blob) != m.sizes[kind]:
+                size = file_size(m, kind)
+                blob = blobs.get(kind) or os.pread(fds[kind], size, 0)
+                if len(blob) != size:
                     raise CacheFormatError(f"{m.file(kind)}: changed while it was pushed")
                 objects[kind] = {"key": m.file(kind).name, "size": len(blob)}
                 pool.submit(uploads.send, objects[kind], lambda b=blob: b)

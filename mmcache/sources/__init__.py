@@ -7,6 +7,7 @@ from .base import ImageReader, Source
 from .folder import FOLDER
 from .listfile import LIST
 from .listing import IMAGE_EXTENSIONS, Listing
+from .member_table import carry_member_table, read_member_table, write_member_table
 from .members import (
     Address,
     MemberAddress,
@@ -34,12 +35,15 @@ __all__ = [
     "Members",
     "RecordedMembers",
     "Source",
+    "carry_member_table",
     "decode_member",
     "is_member",
     "member_file",
+    "read_member_table",
     "register",
     "registry",
     "unregister",
+    "write_member_table",
 ]
 
 # The built-in kinds, in the order they are asked (``registry.detect``): an archive before a

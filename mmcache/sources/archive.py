@@ -74,8 +74,9 @@ DECOMPRESS_BY_SUFFIX = {
     ".tar.gz": "gunzip -k", ".tgz": "gunzip -k", ".tar.bz2": "bunzip2 -k",
     ".tbz2": "bunzip2 -k", ".tar.xz": "unxz -k", ".txz": "unxz -k", ".tar.zst": "zstd -d",
 }  # fmt: skip
-# A member as the scan keeps it: (archive, offset, stored length, method, crc, size, mtime_ns).
-Row = tuple[int, int, int, int, int, int, int]
+# A member as the scan keeps it: (archive, offset, stored length, method, crc, size, mtime_ns,
+# where its headers start).
+Row = tuple[int, int, int, int, int, int, int, int]
 
 
 class Table:
@@ -97,7 +98,7 @@ class Table:
         return len(self.archives) - 1
 
     def add(self, name: str, row: Row, where: str) -> None:
-        """Member ``name``: (archive, offset, length, method, crc, size, mtime_ns)."""
+        """Member ``name``: a ``Row``."""
         if name in self.rows:  # extraction keeps the last copy of a name
             del self.rows[name]
             self.warn(name, f"appears more than once in {where}: the last copy is used, as "
@@ -108,7 +109,7 @@ class Table:
         self.warnings.append({"path": name, "reason": reason})
 
     def members(self, paths: list[str]) -> Members:
-        rows = np.array([self.rows[p][:5] for p in paths], np.int64).reshape(-1, 5)
+        rows = np.array([self.rows[p] for p in paths], np.int64).reshape(-1, 8)
         return Members(
             archives=self.archives,
             stats=self.stats,
@@ -118,6 +119,7 @@ class Table:
             length=rows[:, 2].copy(),
             method=rows[:, 3].astype(np.uint8),
             crc=rows[:, 4].copy(),
+            header=rows[:, 7].copy(),
         )
 
 
@@ -185,14 +187,14 @@ def tar_members(
         if name is None:
             continue
         if m.kind == "dir":
-            yield name, (a, 0, 0, 0, -1, 0, 0), True
+            yield name, (a, 0, 0, 0, -1, 0, 0, 0), True
         elif m.kind == "link":
             table.warn(name, f"a link in {where} (to {m.linkname}): left out, links in "
                        "archives are not followed")  # fmt: skip
         elif m.kind == "file":
             if m.offset + m.size > size:
                 raise broken(where, f"it ends inside member {m.name!r}: it is truncated")
-            row = (a, start + m.offset, m.size, STORED, -1, m.size, m.mtime_ns)
+            row = (a, start + m.offset, m.size, STORED, -1, m.size, m.mtime_ns, start + m.header)
             yield name, row, False
         # else devices, FIFOs: never images
 

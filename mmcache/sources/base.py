@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
+
+    from ..format import CacheFiles
     from .listing import Listing
     from .recorded import RecordedMembers
 
@@ -76,11 +77,10 @@ class Source(Protocol):
         """
         ...
 
-    def recorded(
-        self, source: dict, names: list[str], sizes: np.ndarray, mtimes: np.ndarray
-    ) -> RecordedMembers | None:
-        """Where the records of a cache built from this kind find their bytes without a new
-        listing of the source (None: each is a file at its path under the recorded root)."""
+    def recorded(self, files: CacheFiles) -> RecordedMembers | None:
+        """Where the records of ``files``, a cache built from this kind, find their bytes
+        (None: each is a file at its path under the recorded root): where the cache's members
+        file places them, or in a new listing of the source."""
         ...
 
     def exists(self, root: str) -> bool:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SourceError
 from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing, is_image_file, looks_like_cache, with_stats
+
+if TYPE_CHECKING:
+    from ..format import CacheFiles
 
 
 class Folder:
@@ -28,7 +32,7 @@ class Folder:
     ) -> Listing:
         return scan_folder(source, max_entries)
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> None:
+    def recorded(self, files: CacheFiles) -> None:
         return None  # each record's file lies at its path under the root
 
     def exists(self, root: str) -> bool:

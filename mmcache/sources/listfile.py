@@ -6,11 +6,15 @@ import csv
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SourceError
 from ..probe import sniff_format
 from .base import ImageReader
 from .listing import Listing, is_image_file, with_stats
+
+if TYPE_CHECKING:
+    from ..format import CacheFiles
 
 
 class ListFile:
@@ -30,7 +34,7 @@ class ListFile:
     ) -> Listing:
         return scan_list(Path(source).expanduser().resolve())
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> None:
+    def recorded(self, files: CacheFiles) -> None:
         return None  # each record's file lies at its path under the root
 
     def exists(self, root: str) -> bool:

@@ -68,6 +68,7 @@ class Members:
     length: np.ndarray  # int64: how many bytes are stored
     method: np.ndarray  # uint8: 0 stored, 8 deflated (zip)
     crc: np.ndarray  # int64: the zip's CRC-32 of the member, -1 for tar members
+    header: np.ndarray  # int64: where its headers start (a tar's first header, a zip's local one)
 
     def ref(self, i: int) -> MemberAddress:
         """Member ``i``'s address, as the decode workers get it."""

@@ -6,6 +6,7 @@ import os
 import posixpath
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .archive import (
     COMPRESSED_TAR_SUFFIXES,
@@ -23,7 +24,11 @@ from .archive import (
 from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
 from .recorded import RecordedMembers
+from .tar_headers import tar_holds
 from .webdataset import scan_shards
+
+if TYPE_CHECKING:
+    from ..format import CacheFiles
 
 
 class Tar:
@@ -47,8 +52,8 @@ class Tar:
     ) -> Listing:
         return scan_tar(Path(os.fspath(source)).expanduser().resolve(), label_key)
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> RecordedMembers:
-        return RecordedMembers(source, IMAGE_EXTENSIONS, names, sizes, mtimes)
+    def recorded(self, files: CacheFiles) -> RecordedMembers:
+        return RecordedMembers(files, IMAGE_EXTENSIONS, tar_holds)
 
     def exists(self, root: str) -> bool:
         return Path(root).exists()

@@ -15,8 +15,12 @@ import os
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import SourceError
+
+if TYPE_CHECKING:  # (members.py reads member bytes with this module's pread_all)
+    from .members import MemberAddress
 
 
 def broken(where: str, what: str) -> SourceError:
@@ -57,7 +61,9 @@ class _Window(io.RawIOBase):
 
 @dataclass(frozen=True)
 class TarMember:
-    """One tar member: its name, kind (file, dir, link, other), data offset, size, mtime."""
+    """One tar member: its name, kind (file, dir, link, other), data offset, size, mtime, and
+    where its headers start (a long name's or pax header's before its own, as ``tarfile``'s
+    ``TarInfo.offset``)."""
 
     name: str
     kind: str
@@ -65,6 +71,7 @@ class TarMember:
     size: int
     mtime_ns: int
     linkname: str = ""
+    header: int = 0  # of its first header, from the start of the tar
 
 
 class OtherHeaders(Exception):
@@ -89,7 +96,7 @@ def read_headers(fd: int, start: int, size: int, where: str) -> Iterator[TarMemb
         OtherHeaders: a header of another kind.
     """
     buf, buf_at = b"", 0
-    pos, count = 0, 0
+    pos, count, first = 0, 0, 0  # first: where the next member's headers start
     long_name = long_link = None
     pax: dict[str, str] = {}
     while True:
@@ -133,31 +140,79 @@ def read_headers(fd: int, start: int, size: int, where: str) -> Iterator[TarMemb
                 long_link = payload.split(b"\0", 1)[0]
             elif kind == b"x":
                 pax = _pax(payload, where, data)
+            elif kind == b"g":  # (describes the whole archive, not the next member)
+                first = pos
             continue
         if kind not in _KINDS:
             raise OtherHeaders
         count += 1
-        name = block[:100].split(b"\0", 1)[0]
-        if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix holds the name's start
-            prefix = block[345:500].split(b"\0", 1)[0]
-            if prefix:
-                name = prefix + b"/" + name
-        link = block[157:257].split(b"\0", 1)[0]
-        text = _text(long_name or name)
-        link_text = _text(long_link or link)
-        mtime_ns = _number(block[136:148], where, pos) * 1_000_000_000
-        if "path" in pax:
-            text = pax["path"]
-        if "linkpath" in pax:
-            link_text = pax["linkpath"]
-        if "mtime" in pax:
-            try:
-                mtime_ns = round(float(pax["mtime"]) * 1e9)
-            except ValueError:
-                raise broken(where, f"a bad pax mtime at byte {data:,}") from None
-        yield TarMember(text, _KINDS[kind], data, length, mtime_ns, link_text)
+        text, link_text, mtime_ns = _described(block, long_name, long_link, pax, where, pos)
+        yield TarMember(text, _KINDS[kind], data, length, mtime_ns, link_text, first)
         long_name = long_link = None
         pax = {}
+        first = pos
+
+
+def _described(
+    block: bytes,
+    long_name: bytes | None,
+    long_link: bytes | None,
+    pax: dict[str, str],
+    where: str,
+    pos: int,
+) -> tuple[str, str, int]:
+    """A member's name, link target and mtime: from its header ``block`` at ``pos``, unless a
+    GNU long-name or long-link header or a pax header before it gives them."""
+    name = block[:100].split(b"\0", 1)[0]
+    if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix holds the name's start
+        prefix = block[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    link = block[157:257].split(b"\0", 1)[0]
+    text = _text(long_name or name)
+    link_text = _text(long_link or link)
+    mtime_ns = _number(block[136:148], where, pos) * 1_000_000_000
+    if "path" in pax:
+        text = pax["path"]
+    if "linkpath" in pax:
+        link_text = pax["linkpath"]
+    if "mtime" in pax:
+        try:
+            mtime_ns = round(float(pax["mtime"]) * 1e9)
+        except ValueError:
+            raise broken(where, f"a bad pax mtime at byte {pos + 512:,}") from None
+    return text, link_text, mtime_ns
+
+
+def member_at(fd: int, start: int, offset: int, size: int) -> TarMember | None:
+    """The regular member whose headers start at byte ``start`` of ``fd`` (an archive, or the
+    outer tar holding it) and whose data is bytes ``[offset, offset + size)``, read from its
+    headers; None if no such member is there (other headers, damaged ones, another member).
+
+    Reads only the headers, within ``[start, offset + size)``: a cache records where its
+    members lie, and this checks that a recorded place holds the member before its bytes are
+    read (``recorded``).
+    """
+    if not 0 <= start < offset or size < 0:
+        return None
+    try:
+        m = next(read_headers(fd, start, offset - start + size, ""), None)
+    except (SourceError, OtherHeaders, OSError):
+        return None
+    if m is None or m.kind != "file" or (m.header, start + m.offset, m.size) != (0, offset, size):
+        return None
+    return m
+
+
+def tar_holds(fd: int, ref: MemberAddress, start: int, size: int, mtime_ns: int) -> bool:
+    """Whether the tar headers at byte ``start`` of ``fd`` describe the member ``ref``
+    addresses: a regular file named as the end of its path (after ``cls/`` or ``shard/``),
+    its ``size`` bytes at ``ref.offset`` and its mtime ``mtime_ns`` (a ``recorded.Holds``)."""
+    m = member_at(fd, start, ref.offset, ref.length)
+    if m is None or (m.size, m.mtime_ns) != (size, mtime_ns):
+        return False
+    name = "/".join(p for p in m.name.split("/") if p not in ("", "."))
+    return bool(name) and (ref.name == name or ref.name.endswith("/" + name))
 
 
 _ZERO_BLOCK = bytes(512)
@@ -243,7 +298,7 @@ def read_by_tarfile(
             kind = "dir" if m.isdir() else "link" if m.issym() or m.islnk() else "other"
             kind = "file" if m.isreg() else kind
             mtime = int(round(float(m.mtime) * 1e9))
-            yield TarMember(m.name, kind, m.offset_data, m.size, mtime, m.linkname)
+            yield TarMember(m.name, kind, m.offset_data, m.size, mtime, m.linkname, m.offset)
         end = tf.offset
     tail = os.pread(raw.fileno(), 512, start + end) if end < size else b""
     # tarfile stops quietly at a header cut short or failing its checksum past the first one:

@@ -7,6 +7,7 @@ import os
 import posixpath
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SourceError
 from . import registry
@@ -14,6 +15,10 @@ from .archive import Row, Table, found, is_image, refuse_compressed, tar_members
 from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
 from .recorded import RecordedMembers
+from .tar_headers import tar_holds
+
+if TYPE_CHECKING:
+    from ..format import CacheFiles
 
 BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 # The most bytes of a shard's .cls or .json label member read (a label is a few bytes).
@@ -64,8 +69,8 @@ class WebDataset:
             raise SourceError(f"{root}: not a folder of .tar shards")
         return scan_shards(root, found_shards, IMAGE_EXTENSIONS, label_key, {})
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> RecordedMembers:
-        return RecordedMembers(source, IMAGE_EXTENSIONS, names, sizes, mtimes)
+    def recorded(self, files: CacheFiles) -> RecordedMembers:
+        return RecordedMembers(files, IMAGE_EXTENSIONS, tar_holds)
 
     def exists(self, root: str) -> bool:
         """Whether the source is there: a path, or a brace pattern's first shard."""

@@ -8,14 +8,18 @@ import os
 import stat as stat_mod
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SourceError
 from .archive import ZIP_SUFFIXES, Table, clean_name, image_folder
 from .base import ImageReader
 from .listing import IMAGE_EXTENSIONS, Listing
-from .members import DEFLATED, STORED
+from .members import DEFLATED, STORED, MemberAddress
 from .recorded import RecordedMembers
 from .tar_headers import broken
+
+if TYPE_CHECKING:
+    from ..format import CacheFiles
 
 
 class Zip:
@@ -41,8 +45,8 @@ class Zip:
             raise SourceError(f"{root}: a zip is read as an ImageFolder; label_key is for shards")
         return scan_zip(root, IMAGE_EXTENSIONS)
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> RecordedMembers:
-        return RecordedMembers(source, IMAGE_EXTENSIONS, names, sizes, mtimes)
+    def recorded(self, files: CacheFiles) -> RecordedMembers:
+        return RecordedMembers(files, IMAGE_EXTENSIONS, zip_holds)
 
     def exists(self, root: str) -> bool:
         return Path(root).exists()
@@ -81,7 +85,7 @@ def scan_zip(root: Path, images: tuple[str, ...]) -> Listing:
                     raise broken(root.name, f"it ends inside member {info.filename!r}")
                 mtime = zip_mtime(info)
                 row = (a, offset, info.compress_size, info.compress_type, info.CRC,
-                       info.file_size, mtime)  # fmt: skip
+                       info.file_size, mtime, info.header_offset)  # fmt: skip
                 table.add(name, row, root.name)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as e:
         raise broken(root.name, f"it does not read as a zip ({e})") from None
@@ -111,3 +115,26 @@ def zip_mtime(info: zipfile.ZipInfo) -> int:
         seconds = 0
     return seconds * 1_000_000_000 + info.CRC % 1_000_000_000
 
+
+def zip_holds(fd: int, ref: MemberAddress, start: int, size: int, mtime_ns: int) -> bool:
+    """Whether the zip's local header at byte ``start`` of ``fd`` describes the member ``ref``
+    addresses: its name, method and data offset, and its CRC-32 and sizes (``size`` inflated)
+    unless they follow its data (a data descriptor: then a deflated member's stored length
+    must be one deflate can give). A ``recorded.Holds``; ``mtime_ns`` is not compared."""
+    head = os.pread(fd, 30, start)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return False
+    flags, method, name_len, extra_len = (
+        int.from_bytes(head[k : k + 2], "little") for k in (6, 8, 26, 28)
+    )
+    crc, stored, inflated = (int.from_bytes(head[k : k + 4], "little") for k in (14, 18, 22))
+    if method != ref.method or start + 30 + name_len + extra_len != ref.offset:
+        return False
+    raw = os.pread(fd, name_len, start + 30).split(b"\0", 1)[0]  # (zipfile cuts at a NUL)
+    name = raw.decode("utf-8" if flags & 0x800 else "cp437", "replace")
+    if "/".join(p for p in name.split("/") if p not in ("", ".")) != ref.name:
+        return False
+    if flags & 0x08 or stored == 0xFFFFFFFF:  # sizes after the data, or in a zip64 field
+        # (zlib's deflateBound: at worst 0.03% and 13 bytes more than the input)
+        return ref.method == STORED or ref.length <= size + (size >> 10) + 64
+    return (stored, inflated) == (ref.length, size) and (ref.crc < 0 or crc == ref.crc)
