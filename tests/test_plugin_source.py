@@ -67,7 +67,7 @@ class NpySource:
             mtimes=np.array([st.st_mtime_ns for st in stats], np.int64),
         )
 
-    def recorded(self, source: dict, names: list[str], sizes, mtimes) -> None:
+    def recorded(self, files) -> None:
         return None  # each record's file lies at its path under the root
 
     def exists(self, root: str) -> bool:
