@@ -1,0 +1,167 @@
+"""Object-store faults, against a real S3 server: refused credentials, a server down at open or
+mid-transfer, a publication forged to reach outside its prefix, a client made before fork."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+
+import pytest
+from conftest import make_folder
+
+import mmcache
+from mmcache import format as fmt
+from mmcache.cli import main
+from mmcache.remote.published import REMOTE_NAME
+from mmcache.remote.stores import open_store
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cache(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [(640, 480)] * 4, "b": [(600, 500)] * 4})
+    mmcache.build_cache(src, tmp_path / "cache", workers=0)
+    return tmp_path / "cache"
+
+
+def serve(server, monkeypatch) -> str:
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{server.make_bucket('faults')}/train"
+
+
+def test_wrong_credentials_are_one_line_without_the_secret(
+    cache, tmp_path, s3_server, s3_bucket, monkeypatch, capsys
+):
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-5f3a9c")
+    url = f"s3://{s3_bucket}/train"
+    with pytest.raises(mmcache.RemoteAccessError, match="access refused"):
+        mmcache.push_cache(cache, url, retry_seconds=5)
+    assert main(["pull", url, str(tmp_path / "local")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "access refused" in err
+    assert "not-the-secret" not in err and "Traceback" not in err
+
+
+def test_credentials_written_into_a_url_are_refused_without_repeating_them(tmp_path):
+    with pytest.raises(mmcache.RemoteError, match="credentials in a URL") as e:
+        mmcache.pull_cache("s3://AKIA:hunter2@bucket/x", tmp_path / "local")
+    assert "hunter2" not in str(e.value)
+
+
+def test_a_server_down_at_open_is_retried_then_named_and_a_restart_in_time_succeeds(
+    cache, tmp_path, private_s3_server, monkeypatch
+):
+    url = serve(private_s3_server, monkeypatch)
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    private_s3_server.stop()
+    with pytest.raises(mmcache.RemoteError, match=rf"{url}/remote.json: failed for 2 s"):
+        mmcache.pull_cache(url, tmp_path / "local", retry_seconds=2)
+    assert not (tmp_path / "local" / fmt.MANIFEST_NAME).exists()
+
+    restart = threading.Timer(1.0, private_s3_server.start)
+    restart.start()
+    try:
+        report = mmcache.pull_cache(url, tmp_path / "local", retry_seconds=120)
+    finally:
+        restart.join()
+    assert report.fetched_records == 8
+    assert mmcache.verify_cache(tmp_path / "local").bad == []
+
+
+def test_a_server_lost_mid_pull_leaves_nothing_published_and_the_next_pull_resumes(
+    cache, tmp_path, private_s3_server, monkeypatch
+):
+    url = serve(private_s3_server, monkeypatch)
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    monkeypatch.setattr("mmcache.remote.pull.RUN_BYTES", 2 * MIB)  # several requests
+
+    def stop_after_the_first_run(done, total):
+        if private_s3_server.running:
+            private_s3_server.stop()
+
+    with pytest.raises(mmcache.RemoteError, match="failed for 1 s"):
+        mmcache.pull_cache(
+            url, tmp_path / "local", stop_after_the_first_run, concurrency=1, retry_seconds=1
+        )
+    assert not (tmp_path / "local" / fmt.MANIFEST_NAME).exists()
+    private_s3_server.start()
+    resumed = mmcache.pull_cache(url, tmp_path / "local")
+    assert 0 < resumed.present < 8 and resumed.fetched_records == 8 - resumed.present
+    assert mmcache.verify_cache(tmp_path / "local").bad == []
+
+
+def test_a_server_lost_mid_push_leaves_the_previous_publication_whole(
+    cache, tmp_path, private_s3_server, monkeypatch
+):
+    url = serve(private_s3_server, monkeypatch)
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    first = fmt.read_manifest(cache).generation
+    make_folder(tmp_path / "src", {"c": [(640, 480)] * 4})
+    mmcache.build_cache(tmp_path / "src", cache, workers=0)
+
+    def stop(done, total):
+        if private_s3_server.running:
+            private_s3_server.stop()
+
+    with pytest.raises(mmcache.RemoteError):
+        mmcache.push_cache(cache, url, stop, chunk_bytes=MIB, concurrency=1, retry_seconds=1)
+    private_s3_server.start()
+    pulled = mmcache.pull_cache(url, tmp_path / "local")
+    assert pulled.images == 8 and fmt.read_manifest(tmp_path / "local").generation == first
+
+
+@pytest.mark.parametrize(
+    "forge, message",
+    [
+        (lambda d: d["data"]["chunks"][0].update(key="../../other/secret"), "data chunk 0 is not"),
+        (lambda d: d["objects"]["index"].update(key="../index.bin"), "does not match the manif"),
+        (lambda d: d["data"].update(chunk_bytes=1 << 50), "chunk_bytes .* out of range"),
+        (lambda d: d["manifest"]["sizes"].update(index=1 << 45), "bad file sizes|checksum"),
+        (lambda d: d.update(version=[2, 0]), "published format"),
+        (lambda d: d.update(magic="other"), "not an mmcache publication"),
+    ],
+)
+def test_a_forged_publication_is_refused_before_anything_is_fetched(
+    cache, tmp_path, forge, message
+):
+    url = f"file://{tmp_path}/store"
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    store = open_store(url)
+    d = json.loads(store.get(REMOTE_NAME))
+    forge(d)
+    del d["checksums"]
+    d["checksums"] = {"remote": fmt.manifest_checksum(d)}  # resealed: the forger's best
+    store.put(REMOTE_NAME, json.dumps(d).encode())
+    with pytest.raises(mmcache.CacheFormatError, match=message):
+        mmcache.pull_cache(url, tmp_path / "local")
+    assert not (tmp_path / "local").exists()
+
+
+def _pull_in_child(store, url, dest, out):
+    from mmcache.remote.pull import pull_cache
+
+    assert store.get(REMOTE_NAME) is not None  # the parent's store object, used after fork
+    out.put(pull_cache(url, dest).fetched_records)
+
+
+def test_a_store_used_before_fork_works_in_the_forked_child(
+    cache, tmp_path, s3_server, s3_bucket, monkeypatch
+):
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{s3_bucket}/train"
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    store = open_store(url)
+    assert store.get(REMOTE_NAME) is not None  # its connection pool is open now
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_pull_in_child, args=(store, url, tmp_path / "local", out))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0 and out.get(timeout=5) == 8
+    assert store.get(REMOTE_NAME) is not None  # and the parent's still works
