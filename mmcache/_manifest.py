@@ -229,7 +229,7 @@ def check_layout(options: dict[str, Any], mpath: Path) -> None:
     """The record layout and the masks' dtype are ones this reader knows."""
     layout = options.get("pixels", "rgb")
     expect(
-        px.known(layout),
+        isinstance(layout, str) and px.known(layout),
         mpath,
         f"records are stored in pixel layout {layout!r}, which this mmcache does not know "
         f"(it reads {', '.join(px.LAYOUTS)}); upgrade mmcache or rebuild the cache",

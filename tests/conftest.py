@@ -17,6 +17,7 @@ import cv2
 import numpy as np
 import pytest
 
+import mmcache
 from mmcache import format as fmt
 from mmcache._generation import file_crc32
 
@@ -169,6 +170,14 @@ def opened_file(name: str) -> Path:
     return Path(os.readlink(name) if name.startswith("/proc/self/fd/") else name)
 
 
+def _crc_or(path: Path, default: int) -> int:
+    """The file's CRC-32; ``default`` when a fuzzed name names no regular file."""
+    try:
+        return file_crc32(path) if path.name and path.is_file() else default
+    except (OSError, mmcache.CacheError):
+        return default
+
+
 def reseal(cache: Path) -> dict:
     """Recompute a hand-edited cache's checksums, as a forger would; returns the manifest.
 
@@ -177,8 +186,12 @@ def reseal(cache: Path) -> dict:
     """
     path = cache / fmt.MANIFEST_NAME
     m = json.loads(path.read_text())
-    summed = [k for k in m["files"] if k not in ("state", "data")]  # index, paths, fields
-    m["checksums"] = {k: file_crc32(cache / m["files"][k]) for k in summed}
+    old = m.get("checksums") if isinstance(m.get("checksums"), dict) else {}
+    try:  # (a fuzzed "files" may be anything: its checksums are then left as they were)
+        summed = [k for k in m["files"] if k not in ("state", "data")]  # index, paths, fields
+        m["checksums"] = {k: _crc_or(cache / str(m["files"][k]), old.get(k, 0)) for k in summed}
+    except (TypeError, KeyError, IndexError, AttributeError):
+        m["checksums"] = dict(old)
     m["checksums"]["manifest"] = fmt.manifest_checksum(m)
     path.write_text(json.dumps(m))
     return m
