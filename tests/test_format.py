@@ -100,6 +100,8 @@ MANIFESTS = [
      "records carry masks of 'float32'"),
     ("mask not a name", _set_option("mask", [8]), CacheFormatError,
      "records carry masks of [8]"),
+    ("layout not a name", _set_option("pixels", []), CacheFormatError,
+     "records are stored in pixel layout []"),
     ("generation 15 digits", _set("generation", "0123456789abcde"), CacheFormatError,
      "bad generation id"),
     ("generation not hex", _set("generation", "0123456789abcdeg"), CacheFormatError,
