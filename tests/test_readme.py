@@ -95,7 +95,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Paths a runnable command may name: the Quickstart's layout, made in a temporary folder.
 LOCAL = re.compile(r"(data|cache)/\w+$")
 # Programs whose lines are not checked: installers and shell scripts.
-NOT_CHECKED = {"pip", "bash"}
+NOT_CHECKED = {"pip", "bash", "export"}
 
 
 def code_blocks(path: Path) -> list[tuple[str, str]]:
@@ -209,7 +209,7 @@ def runnable(program: str, args: list[str]) -> bool:
     from mmcache.cli import _parser
 
     parsed = vars(_parser().parse_args(args))
-    paths = [parsed.get(name) for name in ("source", "cache", "dest")]
+    paths = [parsed.get(name) for name in ("source", "cache", "dest", "url")]
     paths = [p for p in paths if p is not None and p not in ("sample", "all")]  # verify --source
     return bool(paths) and all(LOCAL.match(p) for p in paths)
 
@@ -288,6 +288,7 @@ PYTHON_RUN = {
 # ... and those that do not, with the reason.
 TORCHVISION = "needs torchvision, which mmcache does not depend on"
 CUDA = "needs a CUDA device"
+REMOTE = "needs an S3 server: tests/test_remote.py runs these calls against a real one"
 PYTHON_NOT_RUN = {
     ("README.md", "import torch"): "test_the_quickstart_runs_as_written_on_mixed_size_photos",
     ("README.md", "import mmcache"): "run by test_the_training_recipe_runs_as_written",
@@ -296,6 +297,9 @@ PYTHON_NOT_RUN = {
     ("residency.md", "from torch.utils.data import DataLoader"): (
         "90 epochs of 8 DataLoader workers; tests/test_residency.py runs QuasiRandomSampler"
     ),
+    ("README.md", 'ds = MemmapImageDataset("s3://bucket/imagenet/'): REMOTE,
+    ("remote.md", "from mmcache import MemmapImageDataset, push_cache, p"): REMOTE,
+    ("remote.md", 'ds = MemmapImageDataset("s3://bucket/imagenet/'): REMOTE,
     ("scaleout.md", 'torch.distributed.init_process_group("gloo")  # o'): (
         "needs torchrun and /shared; tests/test_distributed.py builds under a process group"
     ),

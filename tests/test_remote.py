@@ -220,3 +220,14 @@ def test_a_cache_of_a_tar_travels_with_its_members_file(tmp_path):
     mmcache.pull_cache(url, tmp_path / "local")
     assert mmcache.verify_cache(tmp_path / "local").bad == []
     same_records(tmp_path / "cache", tmp_path / "local")
+
+
+def test_the_remote_bench_prints_its_targets_table(tmp_path, weed):
+    tool = Path(__file__).resolve().parents[1] / "tools" / "remote_bench.py"
+    run = subprocess.run(
+        [sys.executable, tool, "--images", "8", "--turns", "1", "--concurrency", "4"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    for row in ("pull vs plain download", "epoch two vs local cache", "push after +1% images"):
+        assert row in run.stdout
