@@ -1,7 +1,7 @@
 """Push and pull: a cache published under an object-store prefix and copied back, checked.
 
-Every test runs against a local folder (``file://``) and a real S3 server (SeaweedFS's, see
-tests/s3server.py): the S3 engine's own faults are in tests/test_remote_faults.py.
+Against a real S3 server (SeaweedFS's, see tests/s3server.py), and a folder (``file://``) where
+said; the faults are in tests/test_remote_faults.py.
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ from mmcache.remote.stores import open_store
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["file", "s3"])
-def remote(request, tmp_path, monkeypatch) -> str:
-    """A fresh prefix: a local folder, or a bucket of the session's S3 server (its endpoint and
-    credentials in the environment, as a user's would be)."""
-    if request.param == "file":
-        return f"file://{tmp_path}/store/caches/train"
+@pytest.fixture
+def remote(request, monkeypatch) -> str:
+    """A fresh prefix in a bucket of the session's S3 server (its endpoint and credentials in
+    the environment, as a user's would be)."""
     server = request.getfixturevalue("s3_server")
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
@@ -207,7 +205,7 @@ def test_info_on_a_url_describes_the_publication_without_pulling(tmp_path, remot
     assert info["generation"] == fmt.read_manifest(tmp_path / "cache").generation
 
 
-def test_a_cache_of_a_tar_travels_with_its_members_file(tmp_path):
+def test_a_cache_of_a_tar_travels_with_its_members_file_through_a_folder_store(tmp_path):
     import tarfile
 
     src = big_folder(tmp_path / "src", n=2)

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 
 # botocore is imported inside the tests: the fixtures skip when it is missing, a skip that
 # fails under $CI (a module-level importorskip would skip at collection, which CI lets pass).
@@ -115,40 +114,6 @@ def test_credentials_from_the_environment_and_wrong_ones_refused(s3_server, s3_b
     with pytest.raises(ClientError) as excinfo:
         anonymous.get_object(Bucket=s3_bucket, Key="k")
     assert _code(excinfo) == ("AccessDenied", 403)
-
-
-def readable(s3, bucket: str) -> bool:
-    from botocore.exceptions import ClientError
-
-    try:
-        s3.get_object(Bucket=bucket, Key="data.bin", Range="bytes=0-0")["Body"].read()
-        return True
-    except ClientError:
-        return False
-
-
-def test_stop_and_start_keep_the_objects(private_s3_server):
-    from botocore.exceptions import EndpointConnectionError
-
-    server = private_s3_server
-    bucket = server.make_bucket("kept")
-    data = os.urandom(3 * 2**20)
-    server.client().put_object(Bucket=bucket, Key="data.bin", Body=data)
-    endpoint, ports = server.endpoint_url, dict(server.ports)
-    s3 = server.client(connect_timeout=2)
-
-    for kill in (False, True):  # a clean stop, then a crash
-        server.stop(kill=kill)
-        assert not server.running
-        with pytest.raises(EndpointConnectionError):
-            s3.get_object(Bucket=bucket, Key="data.bin")
-
-        server.start()
-        assert (server.endpoint_url, server.ports) == (endpoint, ports)
-        # the client made before the stop works once it is back: nothing to reconnect by hand
-        # (the volume may answer InternalError for a moment after the S3 port serves again)
-        wait_until(lambda: readable(s3, bucket), "the object readable after the restart", 60)
-        assert s3.get_object(Bucket=bucket, Key="data.bin")["Body"].read() == data
 
 
 def test_the_engines_tool_runs_at_a_tiny_size(weed, tmp_path):
