@@ -25,7 +25,7 @@ from ._generation import (
 )
 from ._layout import layout_offsets
 from ._opening import open_for_reading, open_for_writing
-from ._writer import new_report
+from ._session import new_report
 from .errors import CacheFormatError
 from .reports import BuildReport
 from .sources import carry_member_table

@@ -1,22 +1,20 @@
-"""Writing a new generation of a cache, from the session that locks it to its publication.
+"""Writing a new generation of a cache, from its allocation to its publication.
 
-A build (single-process or distributed) runs these steps in order: ``session`` (scan the source,
-check and lock the destination, read the cache there), ``up_to_date_report`` (nothing to do?),
-``allocate`` (plan the layout, create the sparse data file, copy unchanged records), the decode
-workers write the other records in place, ``Generation.record`` takes their outcomes,
-``finish`` writes the index, state and paths and flushes everything, and ``publish`` renames
-the manifest over the old one. Anything that fails inside ``discarded_on_failure`` deletes the
-new generation's files: the previous cache stays as it was.
+A build (single-process or distributed) runs these steps in order, inside the ``session`` of
+``mmcache._session`` that holds the cache's writer lock: ``allocate`` (plan the layout, create
+the sparse data file, copy unchanged records), the decode workers write the other records in
+place, ``Generation.record`` takes their outcomes, ``finish`` writes the index, state and paths
+and flushes everything, and ``publish`` renames the manifest over the old one. Anything that
+fails inside ``discarded_on_failure`` deletes the new generation's files: the previous cache
+stays as it was.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
-import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,298 +29,26 @@ from ._feedback import human_bytes
 from ._files import create_data_file, extend_data_file, write_pixels
 from ._generation import (
     fields_file,
-    found_bad,
     index_records,
     live_bytes,
     new_generation,
-    open_existing,
-    prepare_folder,
-    remove_stale_generations,
     retire,
     write_generation,
     write_manifest,
-    writer_lock,
 )
 from ._layout import Layout, aligned, append_layout, layout_offsets, plan_layout
 from ._opening import open_for_writing
 from ._reuse import carry_skips, copy_reused, keep_in_place, kept_records, reusable
-from ._staleness import (
-    carried_trust,
-    fingerprints,
-    is_current,
-    recorded_source,
-    same_options,
-    same_source,
-    source_of,
-    source_stamps,
-    to_match,
-    trust_record,
-)
+from ._session import Session, new_report, note_unpaired
+from ._staleness import carried_trust
 from ._version import __version__
-from ._workers import Job, Result, chunked, decode_records
-from .annotations import annotate, carry_user_fields, recorded_annotations
-from .decode import Options, decoder_accepted, decoder_versions, too_large_reason
-from .errors import (
-    CacheFormatError,
-    DestinationError,
-    OptionsChangedError,
-    SourceChangedError,
-    SourceError,
-    StrictBuildError,
-)
-from .reports import BuildReport, ProgressFn
-from .scan import Listing, scan_source
-from .sources import SOURCES, carry_member_table, write_member_table
-from .space import (
-    check_free_space,
-    disk_bytes,
-    free_bytes,
-    generation_sizes,
-)
-
-# A refresh appends what changed to the data file and leaves the records it replaces as garbage,
-# until garbage would pass this share of the file: then it writes a compact file instead. At 25%
-# the file stays within 4/3 of its live bytes (garbage up to 1/3 of them), so refreshes that each
-# replace 1% of the records copy the whole cache once every 34 of them (3% of a full copy per
-# refresh, amortised: 3 bytes copied per byte replaced). docs/refresh.md has the arithmetic.
-COMPACT_AT = 0.25
-# Seconds a rank of a distributed build waits for the others at each step before the build fails:
-# long enough for the slowest rank's share of a large decode.
-DIST_TIMEOUT = 1800.0
-
-
-@dataclass(frozen=True)
-class BuildRequest:
-    """What a build is asked to do: the source, the cache folder, the options, and how.
-
-    ``lazy``: lay out a lazy cache (decode only the records of unknown size) instead of a build.
-    """
-
-    source: str | os.PathLike | Listing
-    cache: str | os.PathLike
-    options: Options
-    workers: int | None = None
-    strict: bool = False
-    progress: ProgressFn | None = None
-    force: bool = False
-    trust_decoder: bool = False
-    replace: bool = False
-    lazy: bool = False
-    compact_at: float = COMPACT_AT
-    source_moved: bool = False
-    # What the images are paired with (``mmcache.annotations``): a masks folder, a COCO file,
-    # the user's arrays by relative path.
-    masks: str | os.PathLike | None = None
-    coco: str | os.PathLike | None = None
-    fields: Mapping[str, Mapping[str, Any]] | None = None
-
-    def __post_init__(self) -> None:
-        workers = self.workers
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
-        ):  # (0: decode in this process)
-            raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
-        if not 0 <= self.compact_at <= 1:  # (0: compact whenever there is garbage)
-            raise ValueError(
-                f"compact_at must be a share of the data file in [0, 1], got {self.compact_at!r}"
-            )
-
-
-@dataclass
-class Session:
-    """A build holding the cache's writer lock: the listing, the cache found there, fingerprints.
-
-    ``current``: the fingerprints of what this build makes; ``wanted``: those the previous cache
-    must have to be current or to lend its records (``_staleness.to_match``).
-    """
-
-    request: BuildRequest
-    listing: Listing
-    folder: Path
-    previous: fmt.CacheFiles | None
-    current: dict[str, str]
-    wanted: dict[str, str]
-    stamps: dict[str, Any] | None = None  # what the quick open-time check compares
-    # Why the folder cannot be written (a read-only mount), else None: such a session may
-    # only find the cache up to date.
-    read_only: DestinationError | None = None
-
-    @property
-    def lazy(self) -> bool:
-        return self.request.lazy
-
-
-@contextmanager
-def session(request: BuildRequest) -> Iterator[Session]:
-    """Scan the source, check the destination, and hold its writer lock while the build runs.
-
-    A cache there made from another source, or with other options, is refused unless
-    ``request.replace`` (or, for the source alone, ``request.source_moved``).
-    """
-    source, opts = request.source, request.options
-    scanned_ns = time.time_ns()
-    listing = source if isinstance(source, Listing) else scan_source(source)
-    if request.masks is not None or request.coco is not None or request.fields:
-        listing.annotations = annotate(listing, request.masks, request.coco, request.fields)
-    # When a listing is given its scan time is unknown: no stamps, the quick check scans.
-    stamps = None if isinstance(source, Listing) else source_stamps(listing, scanned_ns)
-    folder = fmt.cache_folder(request.cache)
-    try:
-        created = prepare_folder(folder)
-    except DestinationError as e:
-        previous = open_existing(folder) if folder.is_dir() else None
-        if previous is None:
-            raise
-        # A read-only mount of a cache: readable without the lock, which no writer can take.
-        yield read_only_session(request, listing, previous, stamps, e)
-        return
-    try:
-        with writer_lock(folder):
-            previous = open_existing(folder)
-            if previous is not None and not request.fields and not request.replace:
-                # The user's arrays are not found again in the source: a build without them
-                # keeps the previous generation's, by path, rather than drop them.
-                carry_user_fields(previous, listing)
-            if previous is not None and not request.replace:
-                if not request.source_moved:
-                    refuse_other_source(previous.manifest, listing)
-                refuse_other_options(previous.manifest, opts)
-            # Before the up-to-date check: a build that finds the cache current also clears
-            # what killed builds left behind.
-            previous = remove_stale_generations(folder, previous)
-            current = fingerprints(listing, opts)
-            wanted = current
-            if previous is not None:
-                wanted = to_match(previous.manifest, current, request.trust_decoder)
-            yield Session(request, listing, folder, previous, current, wanted, stamps)
-    except BaseException:
-        if created:  # a first build that failed leaves no folder behind
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
-
-
-def read_only_session(
-    request: BuildRequest,
-    listing: Listing,
-    previous: fmt.CacheFiles,
-    stamps: dict[str, Any] | None,
-    why: DestinationError,
-) -> Session:
-    """The session of a build over a cache whose folder cannot be written (``why``)."""
-    if not request.replace:
-        if not request.source_moved:
-            refuse_other_source(previous.manifest, listing)
-        refuse_other_options(previous.manifest, request.options)
-    current = fingerprints(listing, request.options)
-    wanted = to_match(previous.manifest, current, request.trust_decoder)
-    folder = fmt.cache_folder(request.cache)
-    return Session(request, listing, folder, previous, current, wanted, stamps, why)
-
-
-def refuse_other_source(m: fmt.Manifest, listing: Listing) -> None:
-    """SourceChangedError if cache ``m`` was made from another folder or list than ``listing``.
-
-    Every file of another source would be "changed", so a build would silently turn the cache
-    into a cache of that source (a validation set built into the training cache).
-    """
-    if same_source(m, listing):
-        return
-    old, new = recorded_source(m), source_of(listing)
-    gone = "" if Path(old).exists() else " (no longer there)"
-    raise SourceChangedError(
-        f"{m.path}: the cache there was made from {old}{gone}; this build's source is {new}, "
-        f"which would replace its {m.count:,} records. Give the source it was made from, pass "
-        "--replace (replace=True) to rebuild it from the new one, or --source-moved "
-        "(source_moved=True) if the same images moved there (unchanged files keep their records)"
-    )
-
-
-def refuse_other_options(m: fmt.Manifest, opts: Options) -> None:
-    """OptionsChangedError if cache ``m`` was made with other preprocessing than ``opts``."""
-    if same_options(m, opts):
-        return
-    try:
-        built_with = Options.from_json(m.options).describe()
-    except (TypeError, ValueError):
-        built_with = f"options this mmcache cannot read ({m.options})"
-    raise OptionsChangedError(
-        f"{m.path}: the cache there was made with {built_with}; this build asks for "
-        f"{opts.describe()}, which would decode every image again and replace all "
-        f"{m.count:,} records. Repeat the options it was made with, or pass --replace "
-        "(replace=True) to rebuild it with the new ones"
-    )
-
-
-def up_to_date_report(s: Session) -> BuildReport | None:
-    """The report of a build that has nothing to do, or None if the cache must be (re)built.
-
-    Raises:
-        DestinationError: the cache must be rebuilt, and its folder cannot be written.
-    """
-    if s.previous is None or not is_current(s.previous, s.listing, s.wanted, s.lazy):
-        if s.read_only is not None:
-            raise DestinationError(f"{s.read_only} and the cache there is not up to date")
-        return None
-    m = s.previous.manifest
-    report = current_report(s.previous)
-    report.ignored = list(s.listing.ignored)
-    report.other_files = dict(s.listing.other_files)
-    _note_unpaired(report, s.listing)
-    report.trusted_decoder = not decoder_accepted(
-        m.fingerprints.get("decoder"), m.extra.get("trusted_decoder")
-    )
-    stale_stamps = s.stamps is not None and m.extra.get("source_stamps") != s.stamps
-    if stale_stamps:  # this build listed the source in full: its stamps are as good and newer
-        m.extra["source_stamps"] = s.stamps
-    if report.trusted_decoder:
-        m.extra["trusted_decoder"] = trust_record(decoder_versions())
-    if (report.trusted_decoder or stale_stamps) and s.read_only is None:
-        write_manifest(m)
-    return report
-
-
-def current_report(files: fmt.CacheFiles) -> BuildReport:
-    """The report of a build that found ``files`` current and did nothing."""
-    m = files.manifest
-    codes = files.state["state"]
-    # A lazy cache keeps files found bad while filling as BAD records (a build leaves them out).
-    bad = found_bad(files)
-    return new_report(
-        m.path,
-        codes,
-        len(m.classes),
-        m.sizes,
-        seconds=0.0,
-        up_to_date=True,
-        skipped=m.skipped + bad,
-        warnings=m.warnings,
-    )
-
-
-def new_report(
-    cache: Path,
-    codes: np.ndarray,
-    classes: int,
-    sizes: dict[str, int],
-    written_pixels: int | None = None,
-    **fields: Any,
-) -> BuildReport:
-    """The report of a build that leaves ``cache`` with records in the states ``codes`` and
-    files of ``sizes``: ``images`` (FILLED) and ``pending`` (EMPTY) counted, ``bytes`` the data
-    file's size, ``written_bytes`` the ``written_pixels`` and the index, state and paths files
-    (0 when nothing was written); ``fields``: the rest of ``BuildReport``'s."""
-    written = 0
-    if written_pixels is not None:
-        written = written_pixels + sum(v for k, v in sizes.items() if k != "data")
-    return BuildReport(
-        cache=cache,
-        images=int((codes == fmt.FILLED).sum()),
-        classes=classes,
-        bytes=sizes["data"],
-        pending=int((codes == fmt.EMPTY).sum()),
-        written_bytes=written,
-        **fields,
-    )
+from ._workers import Job, Result, chunked
+from .decode import Options, decoder_versions, too_large_reason
+from .errors import CacheFormatError, SourceError, StrictBuildError
+from .reports import BuildReport
+from .scan import Listing
+from .sources import write_member_table
+from .space import check_free_space, disk_bytes, free_bytes, generation_sizes
 
 
 @dataclass
@@ -473,23 +199,14 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
     # A lazy cache keeps its EMPTY records: filling them is the readers' job.
     kept = (state == fmt.FILLED) | ((state == fmt.EMPTY) if s.lazy else False)
     keep = np.flatnonzero(kept)
-    skipped = [
-        {
-            "path": listing.paths[i],
-            "reason": g.messages.get(i) or fmt.BAD_REASONS[int(state[i])],
-            "size": int(listing.sizes[i]),
-            "mtime_ns": int(listing.mtimes[i]),
-            "state": int(state[i]),
-        }
-        for i in np.flatnonzero(~kept).tolist()
-    ]
+    skipped = _skipped(g, kept)
     if skipped and (s.request.strict or not len(keep)):
         raise _refusal(skipped, s)
     offsets, data_bytes = layout.offsets.copy(), layout.data_bytes
     if not s.lazy:  # (a lazy build decodes only records it could not place: no gaps)
         data_bytes = _close_gaps(g, keep, offsets, data_bytes)
     if g.overflow:
-        data_bytes = _append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
+        data_bytes = append_overflow(g.data_path, g.overflow, layout, offsets, data_bytes)
     warnings = list(listing.warnings) + [
         {"path": listing.paths[i], "reason": g.messages[i]}
         for i in keep.tolist()
@@ -549,6 +266,21 @@ def finish(g: Generation, s: Session) -> tuple[fmt.Manifest, BuildReport]:
         manifest.extra["source_stamps"] = s.stamps
     report = _finish_report(g, s, keep, offsets, data_bytes, sizes, skipped, warnings)
     return manifest, report
+
+
+def _skipped(g: Generation, kept: np.ndarray) -> list[dict[str, Any]]:
+    """The manifest's entries of the records ``g`` leaves out (not ``kept``), with their reasons."""
+    listing, state = g.listing, g.state
+    return [
+        {
+            "path": listing.paths[i],
+            "reason": g.messages.get(i) or fmt.BAD_REASONS[int(state[i])],
+            "size": int(listing.sizes[i]),
+            "mtime_ns": int(listing.mtimes[i]),
+            "state": int(state[i]),
+        }
+        for i in np.flatnonzero(~kept).tolist()
+    ]
 
 
 def _refusal(skipped: list[dict[str, Any]], s: Session) -> StrictBuildError | SourceError:
@@ -618,17 +350,8 @@ def _finish_report(
         skipped=skipped,
         warnings=warnings,
     )
-    _note_unpaired(report, listing)
+    note_unpaired(report, listing)
     return report
-
-
-def _note_unpaired(report: BuildReport, listing: Listing) -> None:
-    """Put in ``report`` what of the COCO file pairs with nothing in ``listing``."""
-    a = listing.annotations
-    if a is not None:
-        report.coco_missing = list(a.coco_missing)
-        report.coco_unknown_ids = list(a.coco_unknown_ids)
-        report.coco_orphans = a.coco_orphans
 
 
 def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
@@ -639,122 +362,6 @@ def publish(s: Session | fmt.CacheFiles, manifest: fmt.Manifest) -> None:
     write_manifest(manifest)
     if previous is not None:
         retire(previous.manifest, manifest)
-
-
-class _NothingRepaired(Exception):
-    """Raised inside ``redecode`` when no record decoded again: nothing is to be published."""
-
-
-def redecode(
-    files: fmt.CacheFiles,
-    records: Iterable[int],
-    workers: int | None = None,
-    progress: ProgressFn | None = None,
-) -> dict[int, str]:
-    """Decode ``records`` of a cache again from its recorded source, and publish a generation
-    in which they hold the new pixels; the caller holds the cache's writer lock.
-
-    As a refresh does, the new pixels are appended to the data file and every other record
-    stays where it is, so readers of the current generation are undisturbed and the previous
-    record becomes garbage (``compact_cache`` drops it). A record whose source file is gone,
-    changed since it was listed (the decoder checks its size and mtime) or no longer decodes
-    keeps its old offset, pixels and checksum: the cache keeps its records and their order.
-    Nothing is published when no record decoded again.
-
-    Returns:
-        Why each record that was not decoded again was not (empty when all were).
-    """
-    m = files.manifest
-    n = len(files.index)
-    todo = sorted(set(map(int, records)))
-    if not todo:
-        return {}
-    try:
-        options = Options.from_json(m.options)
-    except (TypeError, ValueError) as e:
-        raise CacheFormatError(f"{m.path / fmt.MANIFEST_NAME}: bad options ({e})") from None
-    layout, start = _layout_after(files, todo)
-    g = Generation(
-        folder=m.path, gen=new_generation(), listing=_recorded_listing(files), layout=layout,
-        state=files.state["state"].copy(), crcs=files.state["crc32"].copy(), messages={},
-        overflow={}, reused=n - len(todo), todo=todo, data_gen=m.data_generation,
-        appended_after=m.sizes["data"],
-    )  # fmt: skip
-    check_free_space(
-        m.path,
-        disk_bytes({**m.sizes, "data": layout.data_bytes - start}),
-        advice="free some space there; the cache is unchanged (the repaired records are "
-        "appended to its data file)",
-    )
-    failed: dict[int, str] = {}
-    try:
-        with discarded_on_failure(g):
-            extend_data_file(g.data_path, layout.data_bytes)
-            g.state[todo] = fmt.EMPTY
-            g.record(decode_records(g.jobs(todo), g.data_path, options, workers, progress))
-            for i in todo:
-                if g.state[i] != fmt.FILLED:  # left as it was
-                    failed[i] = g.messages.get(i) or fmt.BAD_REASONS[int(g.state[i])]
-                    g.state[i] = files.state["state"][i]
-                    g.crcs[i] = files.state["crc32"][i]
-                    layout.offsets[i] = files.index["offset"][i]
-            if len(failed) == len(todo):
-                raise _NothingRepaired
-            data_bytes = layout.data_bytes
-            if g.overflow:  # the source now decodes to another size
-                data_bytes = _append_overflow(
-                    g.data_path, g.overflow, layout, layout.offsets, data_bytes
-                )
-            index = files.index.copy()
-            index["offset"] = layout.offsets
-            index["height"], index["width"], index["channels"] = layout.shapes.T
-            state = np.zeros(n, fmt.STATE_DTYPE)
-            state["crc32"], state["state"] = g.crcs, g.state
-            sizes = write_generation(
-                g.folder, g.gen, index, state, files.paths_blob, data_bytes, g.data_gen,
-                files.fields_blob,
-            )
-            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            manifest = fmt.Manifest(**{**vars(m), "generation": g.gen, "sizes": sizes,
-                                       "members": carry_member_table(m, m.path, g.gen),
-                                       "extra": {**m.extra, "created": created}})  # fmt: skip
-            publish(files, manifest)
-    except _NothingRepaired:
-        pass
-    return failed
-
-
-def _recorded_listing(files: fmt.CacheFiles) -> Listing:
-    """The listing a cache's records were made from, as its manifest and index record it."""
-    m, n = files.manifest, len(files.index)
-    listing = Listing(
-        root=Path(m.source["root"]),
-        kind=m.source.get("kind", "folder"),
-        list_file=None,
-        classes=list(m.classes),
-        paths=[files.path(i) for i in range(n)],
-        labels=files.index["label"].astype(np.int64),
-        sizes=files.index["source_size"].astype(np.int64),
-        mtimes=files.index["source_mtime_ns"].astype(np.int64),
-        annotations=recorded_annotations(files),
-    )
-    # An archive's members: where the members file places them; a file lies at its path.
-    listing.members = SOURCES[listing.kind].recorded(files)
-    return listing
-
-
-def _layout_after(files: fmt.CacheFiles, todo: list[int]) -> tuple[Layout, int]:
-    """The cache's layout with the records ``todo`` moved after the current records, each on its
-    own aligned start; and where the first of them starts."""
-    m, n = files.manifest, len(files.index)
-    shapes = fmt.record_shapes(files.index)
-    offsets = files.index["offset"].astype(np.uint64)
-    start = aligned(m.sizes["data"])
-    moved, end = layout_offsets(fmt.record_nbytes(files.index, m.pixels, m.mask)[todo])
-    offsets[todo] = moved + np.uint64(start)
-    state = files.state["state"].copy()
-    layout = Layout(shapes, offsets, start + end, state, np.zeros(n, np.int64), m.pixels, m.mask)
-    return layout, start
 
 
 def _garbage_share(layout: Layout) -> float:
@@ -787,7 +394,7 @@ def _close_gaps(g: Generation, keep: np.ndarray, offsets: np.ndarray, data_bytes
     start = 0 if g.appended_after is None else aligned(g.appended_after)
     nbytes = g.layout.nbytes
     placed = keep[(nbytes[keep] > 0) & (offsets[keep] >= start)]
-    placed = placed[~np.isin(placed, list(g.overflow))]  # (they go after, see _append_overflow)
+    placed = placed[~np.isin(placed, list(g.overflow))]  # (they go after, see append_overflow)
     placed = placed[np.argsort(offsets[placed], kind="stable")]
     moved, end = layout_offsets(nbytes[placed])
     moved += np.uint64(start)
@@ -829,7 +436,7 @@ def _move_down(fd: int, src: int, dst: int, length: int) -> None:
         done += len(chunk)
 
 
-def _append_overflow(
+def append_overflow(
     data_path: Path,
     overflow: dict[int, np.ndarray],
     layout: Layout,

@@ -14,9 +14,10 @@ be read are decoded at creation, because their record's size, hence every later 
 unknown until then; they land where the build puts them, after the planned records, so a lazy
 cache once full is record for record the cache a build makes.
 
-The steps live in ``mmcache._writer`` (the generation), ``mmcache._layout`` (the offsets) and
-``mmcache._workers`` (the decode processes); ``mmcache.distributed`` runs the same steps with
-the decoding shared out among the ranks of a torch.distributed group.
+The steps live in ``mmcache._session`` (the request, the lock, the up-to-date check),
+``mmcache._writer`` (the generation), ``mmcache._layout`` (the offsets) and ``mmcache._workers``
+(the decode processes); ``mmcache.distributed`` runs the same steps with the decoding shared out
+among the ranks of a torch.distributed group.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from . import _writer as writer
 from ._compact import compact
+from ._session import COMPACT_AT, DIST_TIMEOUT, BuildRequest, Session, session, up_to_date_report
 from ._workers import DecodePool, decode_records
 from .decode import Options
 from .reports import BuildReport, ProgressFn
@@ -49,9 +51,9 @@ def build_cache(
     trust_decoder: bool = False,
     replace: bool = False,
     source_moved: bool = False,
-    compact_at: float = writer.COMPACT_AT,
+    compact_at: float = COMPACT_AT,
     distributed: bool | None = None,
-    dist_timeout: float = writer.DIST_TIMEOUT,
+    dist_timeout: float = DIST_TIMEOUT,
     masks: str | os.PathLike | None = None,
     coco: str | os.PathLike | None = None,
     fields: Mapping[str, Mapping[str, Any]] | None = None,
@@ -129,7 +131,7 @@ def create_lazy_cache(
     force: bool = False,
     replace: bool = False,
     source_moved: bool = False,
-    compact_at: float = writer.COMPACT_AT,
+    compact_at: float = COMPACT_AT,
     masks: str | os.PathLike | None = None,
     coco: str | os.PathLike | None = None,
     fields: Mapping[str, Mapping[str, Any]] | None = None,
@@ -168,21 +170,19 @@ def _request(
     options: dict[str, Any],
     masks: str | os.PathLike | None,
     coco: str | os.PathLike | None,
-    dist_timeout: Any = writer.DIST_TIMEOUT,
+    dist_timeout: Any = DIST_TIMEOUT,
     **settings: Any,
-) -> writer.BuildRequest:
+) -> BuildRequest:
     """A build's request, its arguments checked: ``dist_timeout``, then the preprocessing
     ``Options`` (``_options``); the others by ``BuildRequest``."""
     if not (isinstance(dist_timeout, int | float) and 0 < dist_timeout < math.inf):
         raise ValueError(f"dist_timeout must be a number of seconds above 0, got {dist_timeout!r}")
-    return writer.BuildRequest(
+    return BuildRequest(
         source, cache, _options(options, masks, coco), masks=masks, coco=coco, **settings
     )
 
 
-def _build(
-    request: writer.BuildRequest, distributed: bool | None, dist_timeout: float
-) -> BuildReport:
+def _build(request: BuildRequest, distributed: bool | None, dist_timeout: float) -> BuildReport:
     """Build with every rank of the process group when there is one to build with, else here."""
     if _in_process_group(distributed):
         from .distributed import build_distributed
@@ -236,15 +236,15 @@ def compact_cache(cache: str | os.PathLike) -> BuildReport:
     return compact(cache)
 
 
-def _build_here(request: writer.BuildRequest) -> BuildReport:
+def _build_here(request: BuildRequest) -> BuildReport:
     """Build (or, lazily, lay out) a new generation unless the cache is current already.
 
     The single-process path; ``mmcache.distributed`` runs the same steps with the decoding
     shared out among the ranks.
     """
     start = time.perf_counter()
-    with writer.session(request) as s:
-        report = writer.up_to_date_report(s)
+    with session(request) as s:
+        report = up_to_date_report(s)
         if report is None:
             # A build has files to decode: its workers start now, while it plans the layout
             # and prepares the data file. (A lazy cache decodes only files of unreadable
@@ -259,7 +259,7 @@ def _build_here(request: writer.BuildRequest) -> BuildReport:
     return report
 
 
-def _write_generation(s: writer.Session, pool: DecodePool | None) -> BuildReport:
+def _write_generation(s: Session, pool: DecodePool | None) -> BuildReport:
     request = s.request
     g = writer.allocate(s)
     with writer.discarded_on_failure(g):

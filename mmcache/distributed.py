@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from . import _writer as writer
 from ._opening import open_for_writing
+from ._session import DIST_TIMEOUT, BuildRequest, Session, session, up_to_date_report
 from ._workers import Result, decode_records
 from .decode import Options
 from .errors import CacheError, DistributedBuildError
@@ -51,9 +52,7 @@ __all__ = ["balanced_shares", "build_distributed", "torchrun_process_group"]
 _NOTHING_PUBLISHED = "nothing was published; the previous cache, if any, is intact"
 
 
-def build_distributed(
-    request: writer.BuildRequest, *, timeout: float = writer.DIST_TIMEOUT
-) -> BuildReport:
+def build_distributed(request: BuildRequest, *, timeout: float = DIST_TIMEOUT) -> BuildReport:
     """Build a cache with every rank of the default process group (``build_cache`` calls this).
 
     Args:
@@ -111,7 +110,7 @@ def balanced_shares(records: np.ndarray, cost: np.ndarray, parts: int) -> list[n
 
 
 @contextmanager
-def torchrun_process_group(timeout: float = writer.DIST_TIMEOUT):
+def torchrun_process_group(timeout: float = DIST_TIMEOUT):
     """Join the process group torchrun describes in the environment, unless one is initialised.
 
     Initialises gloo from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and
@@ -189,11 +188,11 @@ class _Channel:
         self.broadcast(("error", error))
 
 
-def _lead(channel: _Channel, request: writer.BuildRequest) -> BuildReport:
+def _lead(channel: _Channel, request: BuildRequest) -> BuildReport:
     start = time.perf_counter()
     try:
-        with writer.session(request) as s:
-            report = writer.up_to_date_report(s)
+        with session(request) as s:
+            report = up_to_date_report(s)
             if report is None:
                 report = _lead_build(channel, s)
         if channel.step == 0:
@@ -206,7 +205,7 @@ def _lead(channel: _Channel, request: writer.BuildRequest) -> BuildReport:
     return report
 
 
-def _lead_build(channel: _Channel, s: writer.Session) -> BuildReport:
+def _lead_build(channel: _Channel, s: Session) -> BuildReport:
     request = s.request
     g = writer.allocate(s)
     with writer.discarded_on_failure(g):

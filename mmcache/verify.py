@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _writer as writer
 from . import format as fmt
 from ._filler import check_trusted_source, lost_fill_markers
 from ._generation import remove_stale_generations, writer_lock
 from ._opening import open_for_reading
+from ._redecode import redecode
 from .annotations import mask_record, recorded_mask_file
 from .decode import Options, preprocess, read_image, read_sample
 from .errors import CacheFormatError
@@ -161,7 +161,7 @@ def repair_cache(
         found = _check(files, source, progress, seed)
         found.seconds = time.perf_counter() - start
         report = RepairReport(folder, Path(files.manifest.source["root"]), found)
-        failed = writer.redecode(files, [b.index for b in found.bad], workers, progress)
+        failed = redecode(files, [b.index for b in found.bad], workers, progress)
         for b in found.bad:
             if b.index in failed:
                 report.unrepaired.append(BadRecord(b.index, b.path, failed[b.index]))

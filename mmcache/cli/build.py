@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .._feedback import count, human_bytes
-from .._writer import COMPACT_AT, DIST_TIMEOUT
+from .._session import COMPACT_AT, DIST_TIMEOUT
 from ..build import build_cache
 from ..decode import TRUNCATED
 from ..errors import DistributedBuildError
