@@ -392,3 +392,32 @@ def test_a_source_that_no_longer_decodes_or_decodes_to_another_size_is_named(
         (4, files.path(4), f"stored as {(h, w, c)}, the source decodes to (6, 8, 3)"),
     ]
     assert report.source_compared == 11  # the file that no longer decodes is not compared
+
+
+def test_a_checksum_failure_names_both_crcs_and_in_a_lazy_cache_a_fill_a_power_cut_lost(
+    cache, small_folder, tmp_path, monkeypatch
+):
+    def message(cache, i):
+        files, off, n = _record(cache, i)
+        data = files.manifest.file("data").read_bytes()[off : off + n]
+        stored = int(files.state["crc32"][i])
+        return f"pixels fail their checksum (CRC-32 {zlib.crc32(data):08x}, stored {stored:08x})"
+
+    _damage(cache, 5)
+    assert [b.what for b in verify_cache(cache).bad] == [message(cache, 5)]
+    # a lazy cache: the same words while no fill may have been lost to a power cut
+    lazy = tmp_path / "lazy"
+    create_lazy_cache(small_folder, lazy)
+    ds = MemmapImageDataset(lazy)
+    ds[2], ds[5]
+    ds._reader.filler.close()
+    _damage(lazy, 5)
+    assert [b.what for b in verify_cache(lazy).bad] == [message(lazy, 5)]
+    # another boot's filler file: the failure may be a fill lost, and says so
+    import mmcache._filler
+
+    (lazy / "filling-0123456789abcdef").write_text("another-boot-before")
+    monkeypatch.setattr(mmcache._filler, "boot_id", lambda: "another-boot")
+    assert [b.what for b in verify_cache(lazy).bad] == [
+        message(lazy, 5) + ": a fill lost in a power cut, filled again when read"
+    ]
