@@ -421,3 +421,42 @@ def test_a_checksum_failure_names_both_crcs_and_in_a_lazy_cache_a_fill_a_power_c
     assert [b.what for b in verify_cache(lazy).bad] == [
         message(lazy, 5) + ": a fill lost in a power cut, filled again when read"
     ]
+
+
+@pytest.mark.parametrize("read_bytes", [1, 5000, 8 << 20])
+def test_checksums_read_in_batches_of_any_size_find_the_same(
+    small_folder, tmp_path, monkeypatch, read_bytes
+):
+    # READ_BYTES: how much one read takes (1: a record each; 5000: some records alone, some
+    # together). Five records filled of a lazy cache's twelve: an odd count, gaps between them.
+    import mmcache.verify
+
+    monkeypatch.setattr(mmcache.verify, "READ_BYTES", read_bytes)
+    lazy = tmp_path / "lazy"
+    create_lazy_cache(small_folder, lazy)
+    ds = MemmapImageDataset(lazy)
+    filled = [0, 3, 5, 8, 11]
+    for i in filled:
+        ds[i]
+    ds._reader.filler.close()
+    _damage(lazy, 5)
+    _damage(lazy, 11)
+    calls = []
+    report = verify_cache(lazy, progress=lambda done, total: calls.append((done, total)))
+    assert [b.index for b in report.bad] == [5, 11]
+    assert all(b.what.startswith("pixels fail their checksum") for b in report.bad)
+    assert report.checked == 5 and report.bytes == sum(_record(lazy, i)[2] for i in filled)
+    assert calls[-1] == (5, 5)
+    if read_bytes == 1:  # a read per record: the data file cut inside the last one meanwhile
+        files, off, _ = _record(lazy, 11)
+        data = files.manifest.file("data")
+
+        def cut(done, total):
+            if done == 1:
+                os.truncate(data, off + 10)
+
+        with pytest.raises(CacheFormatError, match=re.escape(
+            f"{data}: ends at {off + 10} bytes, record 11 needs more: the data file was "
+            "truncated while it was verified"
+        )):  # fmt: skip
+            verify_cache(lazy, progress=cut)
