@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import time
 import zlib
 
 import numpy as np
@@ -46,7 +47,9 @@ def _flip(path, pos, bit=0):
 
 
 def test_a_sound_cache_verifies(cache):
+    start = time.perf_counter()
     report = verify_cache(cache)
+    assert 0 <= report.seconds <= time.perf_counter() - start  # the time it took, not more
     files = fmt.open_cache(cache)
     sizes = [int(r["height"]) * int(r["width"]) * int(r["channels"]) for r in files.index]
     assert report.ok and report.records == report.checked == 12
