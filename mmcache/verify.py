@@ -86,7 +86,7 @@ def _check(
     read_member_table(files)  # (a cache of an archive: where its members lie, checked)
     n = len(files.index)
     filled = np.flatnonzero(files.state["state"] == fmt.FILLED)
-    chosen = _source_sample(files, filled, source, seed)
+    chosen = _source_sample(filled, source, seed)
     total = len(filled) + len(chosen)
     report = VerifyReport(
         cache=files.manifest.path,
@@ -240,9 +240,7 @@ def check_checksums(
         os.close(fd)
 
 
-def _source_sample(
-    files: fmt.CacheFiles, filled: np.ndarray, source: bool | str, seed: int | None
-) -> np.ndarray:
+def _source_sample(filled: np.ndarray, source: bool | str, seed: int | None) -> np.ndarray:
     if not source:
         return np.zeros(0, np.int64)
     if source == "all" or len(filled) <= SAMPLE_MIN:

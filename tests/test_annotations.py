@@ -500,6 +500,14 @@ def test_verify_against_the_source_decodes_the_masks_too(seg, tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     bad = verify_cache(tmp_path / "c", source="all").bad
     assert [b.path for b in bad] == ["img_00004.png"]
+    # a mask gone: its record named, with the reason, the image itself still there
+    (own / "img_00002.bmp").unlink()
+    bad = verify_cache(tmp_path / "c", source="all").bad
+    files = fmt.open_cache(tmp_path / "c")
+    assert [(b.index, b.path, b.what) for b in bad if b.path != "img_00004.png"] == [
+        (files.paths().index("img_00002.png"), "img_00002.png",
+         "its mask vanished since it was listed")
+    ]  # fmt: skip
 
 
 def test_after_a_reboot_a_lazy_cache_s_masked_fills_check_whole(seg, tmp_path, monkeypatch):

@@ -279,6 +279,28 @@ def test_verify_and_repair_read_the_members_again(tmp_path, src):
     assert [b.index for b in verify_cache(cache).bad] == [1]
     repair_cache(cache, workers=0)
     assert not verify_cache(cache, source="all").bad
+    # members gone from the archive since the build: not compared, each counted unavailable
+    (src / "dog" / "b.png").unlink()
+    (src / "cat" / "deep" / "x.png").unlink()
+    tar_of(src, tar)
+    report = verify_cache(cache, source="all")
+    assert report.ok and (report.source_compared, report.source_unavailable) == (3, 2)
+
+
+def test_verify_decodes_a_member_at_reduced_scale_as_the_build_did(tmp_path):
+    from mmcache import verify_cache
+
+    # A JPEG member shrunk 8x at decode (reduced_decode), whose 8x-reduced size rounds to
+    # another aspect than its own: the comparison must decode as the build did (by the
+    # member's name, .jpg, and from its native size), or it finds every pixel different.
+    root = tmp_path / "src"
+    write_image(root / "a" / "wide.jpg", 1000, 333)
+    tar = tar_of(root, tmp_path / "train.tar")
+    cache = tmp_path / "cache"
+    build_cache(tar, cache, workers=0, short_side=40, reduced_decode=True)
+    assert fmt.open_cache(cache).shape(0) == (40, 120, 3)
+    report = verify_cache(cache, source="all")
+    assert report.ok and report.source_compared == 1
 
 
 @pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])

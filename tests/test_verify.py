@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import time
 import zlib
 
 import numpy as np
@@ -16,6 +17,7 @@ from mmcache import (
     MemmapImageDataset,
     build_cache,
     copy_cache,
+    create_lazy_cache,
     decode_image,
     repair_cache,
     verify_cache,
@@ -45,11 +47,15 @@ def _flip(path, pos, bit=0):
 
 
 def test_a_sound_cache_verifies(cache):
+    start = time.perf_counter()
     report = verify_cache(cache)
+    assert 0 <= report.seconds <= time.perf_counter() - start  # the time it took, not more
     files = fmt.open_cache(cache)
     sizes = [int(r["height"]) * int(r["width"]) * int(r["channels"]) for r in files.index]
     assert report.ok and report.records == report.checked == 12
     assert report.bytes == sum(sizes) and report.bad == []
+    # checksums only: no source file decoded, none counted missing, no lazy record empty
+    assert (report.source_compared, report.source_unavailable, report.empty) == (0, 0, 0)
 
 
 def test_a_damaged_record_is_named_by_verify_the_cli_and_first_read(cache, capsys):
@@ -108,6 +114,83 @@ def test_source_comparison_catches_what_a_checksum_cannot(cache, capsys):
     assert "bad record 7" in capsys.readouterr().out
 
 
+def _rewrite(cache, records):
+    """Write zeros over each of ``records`` with a matching CRC-32 (as a buggy writer would):
+    only decoding the source again finds them."""
+    files = fmt.open_cache(cache)
+    state = np.fromfile(files.manifest.file("state"), fmt.STATE_DTYPE)
+    with open(files.manifest.file("data"), "r+b") as f:
+        for i in records:
+            _, off, n = _record(cache, i)
+            f.seek(off)
+            f.write(bytes(n))
+            state["crc32"][i] = zlib.crc32(bytes(n))
+    state.tofile(files.manifest.file("state"))
+
+
+def test_the_sample_is_20_distinct_records_drawn_by_the_seed_and_repair_draws_the_same(tmp_path):
+    from conftest import make_folder
+
+    src = make_folder(tmp_path / "s", {"a": [(8, 8)] * 30})
+    cache = tmp_path / "c"
+    build_cache(src, cache, workers=0)
+    _rewrite(cache, range(30))  # every record wrong: the records found bad are those compared
+
+    def sample(seed):
+        report = verify_cache(cache, source="sample", seed=seed)
+        assert report.source_compared == len(report.bad)
+        return [b.index for b in report.bad]
+
+    drawn = sample(5)
+    assert len(drawn) == len(set(drawn)) == 20 and set(drawn) <= set(range(30))
+    assert sample(5) == drawn  # the same seed, the same records
+    assert sample(6) != drawn  # another seed, another sample (1 chance in 30 million)
+    repaired = repair_cache(cache, source="sample", seed=5, workers=0).repaired
+    assert [b.index for b in repaired] == drawn
+    # "all" compares every record, however many: the 10 the sample left are still wrong
+    report = verify_cache(cache, source="all")
+    assert report.source_compared == 30
+    assert [b.index for b in report.bad] == sorted(set(range(30)) - set(drawn))
+
+
+def test_progress_counts_records_checked_then_files_decoded(cache):
+    calls = []
+    verify_cache(cache, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (12, 12) and all(t == 12 for _, t in calls)
+    calls.clear()
+    verify_cache(cache, source="all", progress=lambda done, total: calls.append((done, total)))
+    # 12 checksums, then 12 files decoded: the count goes up one by one to 24
+    assert all(t == 24 for _, t in calls)
+    assert [d for d, _ in calls if d > 12] == list(range(13, 25))
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    # a repair: its verification (12 records), then its decoding (the 1 bad record)
+    _damage(cache, 5)
+    calls.clear()
+    repair_cache(cache, workers=0, progress=lambda done, total: calls.append((done, total)))
+    assert calls[0][1] == 12 and (12, 12) in calls and calls[-1] == (1, 1)
+
+
+def test_a_lazy_cache_s_empty_records_are_counted_not_checked(small_folder, tmp_path):
+    create_lazy_cache(small_folder, tmp_path / "lazy")
+    ds = MemmapImageDataset(tmp_path / "lazy")
+    ds[0], ds[3], ds[7]  # filled by these reads
+    report = verify_cache(tmp_path / "lazy")
+    assert report.ok and (report.records, report.checked, report.empty) == (12, 3, 9)
+
+
+def test_a_truncation_between_checksums_and_comparison_is_an_error(cache):
+    data = fmt.open_cache(cache).manifest.file("data")
+
+    def cut(done, total):  # the checksums are done: the data file shrinks
+        if done == 12:
+            os.truncate(data, 0)
+
+    with pytest.raises(
+        CacheFormatError, match=re.escape(f"{data}: truncated while it was verified")
+    ):
+        verify_cache(cache, source="all", progress=cut)
+
+
 def test_a_sample_of_at_least_20(tmp_path):
     from conftest import make_folder
 
@@ -142,7 +225,10 @@ def test_a_record_marked_bad_in_a_built_cache_is_named(cache):
     state.tofile(files.manifest.file("state"))
     report = verify_cache(cache)
     assert [(b.index, b.path) for b in report.bad] == [(2, files.path(2))]
-    assert report.checked == 11 and "in a built cache" in report.bad[0].what
+    assert report.checked == 11
+    assert report.bad[0].what == (
+        "marked bad (it changed or vanished since it was listed) in a built cache"
+    )
     state["state"][2] = fmt.EMPTY  # never written by a build: refused at open
     state.tofile(files.manifest.file("state"))
     with pytest.raises(CacheFormatError, match="record 2: empty in a built cache"):
@@ -228,7 +314,10 @@ def test_a_record_whose_source_vanished_or_changed_is_left_as_it_was(cache, smal
     kept = [MemmapImageDataset(cache, on_stale="ignore").read(i).copy() for i in (1, 2)]
     report = repair_cache(cache, workers=0)
     assert [b.index for b in report.repaired] == [6] and not report.ok
-    assert [b.index for b in report.unrepaired] == [1, 2]
+    assert [(b.index, b.path) for b in report.unrepaired] == [
+        (1, files.path(1)),
+        (2, files.path(2)),
+    ]
     # their bytes where they were, not the zeros of the space appended for them
     ds = MemmapImageDataset(cache, on_stale="ignore")
     assert all(np.array_equal(ds.read(i), k) for i, k in zip((1, 2), kept, strict=True))
@@ -247,3 +336,133 @@ def test_a_failed_copy_leaves_nothing_new_behind(cache, tmp_path):
     with pytest.raises(CacheFormatError):
         copy_cache(cache, tmp_path / "empty")
     assert os.listdir(tmp_path / "empty") == []
+
+
+def test_repair_checks_checksums_unless_asked_and_names_what_it_published(cache):
+    _rewrite(cache, [7])  # a matching checksum: only the source finds it
+    report = repair_cache(cache, workers=0)
+    assert report.ok and report.repaired == [] and report.generation is None
+    assert report.found.source_compared == 0
+    start = time.perf_counter()
+    report = repair_cache(cache, source="all", workers=0)
+    took = time.perf_counter() - start
+    assert [b.index for b in report.repaired] == [7] and report.ok
+    assert report.generation == fmt.read_manifest(cache).generation
+    # the time it took, within the call; verifying is part of the repair
+    assert 0 <= report.found.seconds <= report.seconds <= took
+    assert verify_cache(cache, source="all").ok
+
+
+def test_repair_deletes_what_a_killed_writer_left(cache):
+    left = cache / "data-0123456789abcdef.bin"  # a generation's data file, never published
+    left.write_bytes(b"half written")
+    _damage(cache, 2)
+    assert [b.index for b in repair_cache(cache, workers=0).repaired] == [2]
+    assert not left.exists()
+
+
+def test_repair_with_no_workers_decodes_in_this_process(cache, monkeypatch):
+    # workers=0: a decoder patched in this process is the one used (no worker process)
+    import mmcache._workers
+
+    def fails(*args, **kwargs):
+        return fmt.BAD_UNDECODABLE, 0, "patched: no decode", None
+
+    monkeypatch.setattr(mmcache._workers, "decode_record", fails)
+    _damage(cache, 3)
+    report = repair_cache(cache, workers=0)
+    assert [(b.index, b.what) for b in report.unrepaired] == [(3, "patched: no decode")]
+
+
+def _replace_keeping_stat(path, data):
+    """Write ``data`` over ``path`` at its size (zero-padded) and with its mtime."""
+    st = path.stat()
+    assert len(data) <= st.st_size
+    path.write_bytes(data + bytes(st.st_size - len(data)))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_source_that_no_longer_decodes_or_decodes_to_another_size_is_named(
+    cache, small_folder, tmp_path
+):
+    from conftest import write_image
+
+    files = fmt.open_cache(cache)
+    _replace_keeping_stat(small_folder / files.path(1), b"not an image")
+    small = write_image(tmp_path / "small.jpg", 8, 6).read_bytes()  # 8 wide, 6 high
+    _replace_keeping_stat(small_folder / files.path(4), small)
+    h, w, c = (int(files.index[4][k]) for k in ("height", "width", "channels"))
+    report = verify_cache(cache, source="all")
+    assert [(b.index, b.path, b.what) for b in report.bad] == [
+        (1, files.path(1), "its source no longer decodes"),
+        (4, files.path(4), f"stored as {(h, w, c)}, the source decodes to (6, 8, 3)"),
+    ]
+    assert report.source_compared == 11  # the file that no longer decodes is not compared
+
+
+def test_a_checksum_failure_names_both_crcs_and_in_a_lazy_cache_a_fill_a_power_cut_lost(
+    cache, small_folder, tmp_path, monkeypatch
+):
+    def message(cache, i):
+        files, off, n = _record(cache, i)
+        data = files.manifest.file("data").read_bytes()[off : off + n]
+        stored = int(files.state["crc32"][i])
+        return f"pixels fail their checksum (CRC-32 {zlib.crc32(data):08x}, stored {stored:08x})"
+
+    _damage(cache, 5)
+    assert [b.what for b in verify_cache(cache).bad] == [message(cache, 5)]
+    # a lazy cache: the same words while no fill may have been lost to a power cut
+    lazy = tmp_path / "lazy"
+    create_lazy_cache(small_folder, lazy)
+    ds = MemmapImageDataset(lazy)
+    ds[2], ds[5]
+    ds._reader.filler.close()
+    _damage(lazy, 5)
+    assert [b.what for b in verify_cache(lazy).bad] == [message(lazy, 5)]
+    # another boot's filler file: the failure may be a fill lost, and says so
+    import mmcache._filler
+
+    (lazy / "filling-0123456789abcdef").write_text("another-boot-before")
+    monkeypatch.setattr(mmcache._filler, "boot_id", lambda: "another-boot")
+    assert [b.what for b in verify_cache(lazy).bad] == [
+        message(lazy, 5) + ": a fill lost in a power cut, filled again when read"
+    ]
+
+
+@pytest.mark.parametrize("read_bytes", [1, 5000, 8 << 20])
+def test_checksums_read_in_batches_of_any_size_find_the_same(
+    small_folder, tmp_path, monkeypatch, read_bytes
+):
+    # READ_BYTES: how much one read takes (1: a record each; 5000: some records alone, some
+    # together). Five records filled of a lazy cache's twelve: an odd count, gaps between them.
+    import mmcache.verify
+
+    monkeypatch.setattr(mmcache.verify, "READ_BYTES", read_bytes)
+    lazy = tmp_path / "lazy"
+    create_lazy_cache(small_folder, lazy)
+    ds = MemmapImageDataset(lazy)
+    filled = [0, 3, 5, 8, 11]
+    for i in filled:
+        ds[i]
+    ds._reader.filler.close()
+    _damage(lazy, 5)
+    _damage(lazy, 11)
+    calls = []
+    report = verify_cache(lazy, progress=lambda done, total: calls.append((done, total)))
+    assert [b.index for b in report.bad] == [5, 11]
+    assert all(b.what.startswith("pixels fail their checksum") for b in report.bad)
+    assert report.checked == 5 and report.bytes == sum(_record(lazy, i)[2] for i in filled)
+    assert calls[-1] == (5, 5)
+    if read_bytes == 1:  # a read per record: the data file cut inside the last one meanwhile
+        files, off, _ = _record(lazy, 11)
+        data = files.manifest.file("data")
+
+        def cut(done, total):
+            if done == 1:
+                os.truncate(data, off + 10)
+
+        with pytest.raises(CacheFormatError, match=re.escape(
+            f"{data}: ends at {off + 10} bytes, record 11 needs more: the data file was "
+            "truncated while it was verified"
+        )):  # fmt: skip
+            verify_cache(lazy, progress=cut)
