@@ -157,6 +157,7 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
         "decoder": manifest.decoder,
         **({"fields": manifest.fields} if manifest.fields else {}),
         **({"members": manifest.members} if manifest.members else {}),
+        **({"origin": manifest.origin} if manifest.origin else {}),
         **manifest.extra,
     }
 

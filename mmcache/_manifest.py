@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,20 @@ from ._checks import expect, fail, is_int, is_name
 from ._opening import read_whole
 from .errors import CacheNotFoundError
 from .options import Options
+
+
+def manifest_checksum(m: dict[str, Any]) -> int:
+    """CRC-32 of a manifest object without its ``"checksums"``, in the canonical JSON form.
+
+    Raises:
+        ValueError: the object cannot be written as JSON (too deep, a huge number).
+    """
+    body = {k: v for k, v in m.items() if k != "checksums"}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return zlib.crc32(text.encode("ascii"))
 
 
 def manifest_parse_cost(raw: bytes) -> int:
@@ -314,3 +329,21 @@ def check_members(
             f"members archive {path!r} is neither the source nor a file in its folder",
         )
     return entry
+
+
+def check_origin(m: dict[str, Any], mode: str, mpath: Path, max_path: int) -> dict[str, Any] | None:
+    """The ``origin`` entry of a node-local copy (None: the cache is no copy): ``{"url"}``, a
+    store URL without credentials, in a ``"lazy"`` cache."""
+    origin = m.get("origin")
+    if origin is None:
+        return None
+    url = origin.get("url") if isinstance(origin, dict) else None
+    scheme, sep, rest = url.partition("://") if isinstance(url, str) else ("", "", "")
+    expect(
+        isinstance(origin, dict) and set(origin) == {"url"} and is_name(url, max_path)
+        and bool(scheme) and bool(sep) and "@" not in rest.partition("/")[0],
+        mpath,
+        'origin must be {"url"}, a store URL without credentials',
+    )  # fmt: skip
+    expect(mode == "lazy", mpath, "a copy with an origin must be a lazy cache")
+    return origin

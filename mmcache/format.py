@@ -23,8 +23,9 @@ A cache is one folder; move or copy it as a unit. Its files:
       understand, and no others: ``"layout:<name>"`` (always: the record layout,
       ``options["pixels"]``), ``"masks"`` (records carry masks, ``options["mask"]``),
       ``"fields"`` (the ``fields`` file), ``"fill-markers"`` (a ``"lazy"`` cache: the
-      ``filling-<token>`` files). A reader MUST refuse a cache that requires a feature it does
-      not know, naming it, and one whose list is not what the rest of the manifest implies.
+      ``filling-<token>`` files), ``"remote-fill"`` (records fetched from ``"origin"``). A
+      reader MUST refuse a cache that requires a feature it does not know, naming it, and one
+      whose list is not what the rest of the manifest implies.
     - ``"generation"``: 16 lowercase hex digits naming this version of the cache. ``"files"``
       maps ``"index"``, ``"state"``, ``"paths"`` to ``"<kind>-<generation>.bin"`` and ``"data"``
       to ``"data-<id>.bin"``, where ``<id>`` is the generation that created the data file: this
@@ -67,6 +68,11 @@ A cache is one folder; move or copy it as a unit. Its files:
       reader that ignores the key lists the archives again to find the members. A reader MUST
       ignore an entry naming another generation's file (carried over by a writer that did not
       know the key).
+
+    - ``"origin"`` (5.1, a node-local copy, ``mmcache.remote.sparse``): ``{"url"}``, the
+      store prefix the cache was pushed to, without credentials. The cache is ``"lazy"``: an
+      ``EMPTY`` record is filled by fetching its bytes from that publication, and its ``crc32``
+      in ``state`` is the published CRC-32 those bytes MUST have before they are written.
 
     Strings: class names are non-empty, unique, without NUL, at most ``MAX_NAME`` characters.
 
@@ -172,7 +178,6 @@ Given this text, plain numpy reads a cache::
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import zlib
@@ -203,10 +208,12 @@ from ._manifest import (
     check_manifest_checksum,
     check_members,
     check_options,
+    check_origin,
     check_requires,
     check_source,
     check_version,
     load_manifest_json,
+    manifest_checksum,
 )
 from ._opening import link_refused
 from .errors import CacheFormatError
@@ -229,7 +236,7 @@ MAGIC = "mmcache"
 # than starting again at 1.0, so that no cache they wrote can pass for one of this format.
 FORMAT_VERSION = (5, 1)
 # The features a cache may require (its manifest's "requires"): what this reader understands.
-FEATURES = ("fields", "fill-markers", "masks", *(f"layout:{name}" for name in px.LAYOUTS))
+FEATURES = ("fields", "fill-markers", "masks", "remote-fill", *(f"layout:{n}" for n in px.LAYOUTS))
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = "lock"
 FILE_KINDS = ("index", "state", "paths", "data")
@@ -386,6 +393,8 @@ class Manifest:
     fields: list[dict[str, Any]] = field(default_factory=list)
     # The ``members`` entry (its file's size, CRC-32, archives); None: members are listed again.
     members: dict[str, Any] | None = None
+    # ``{"url"}`` of the publication a node-local copy fetches its records from; None: none.
+    origin: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.data_generation = self.data_generation or self.generation
@@ -413,7 +422,8 @@ class Manifest:
     def requires(self) -> list[str]:
         """The features a reader must understand to read this cache (the spec's list)."""
         uses = {"masks": self.mask is not None, "fields": bool(self.fields),
-                "fill-markers": self.mode == "lazy"}  # fmt: skip
+                "fill-markers": self.mode == "lazy",
+                "remote-fill": self.origin is not None}  # fmt: skip
         return sorted([f"layout:{self.pixels}", *(name for name, used in uses.items() if used)])
 
     @property
@@ -430,20 +440,6 @@ class Manifest:
     def shares_data(self) -> bool:
         """Whether this generation's records lie in the data file of an earlier generation."""
         return self.data_generation != self.generation
-
-
-def manifest_checksum(m: dict[str, Any]) -> int:
-    """CRC-32 of a manifest object without its ``"checksums"``, in the canonical JSON form.
-
-    Raises:
-        ValueError: the object cannot be written as JSON (too deep, a huge number).
-    """
-    body = {k: v for k, v in m.items() if k != "checksums"}
-    try:
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    return zlib.crc32(text.encode("ascii"))
 
 
 def cache_folder(cache: str | os.PathLike) -> Path:
@@ -501,7 +497,7 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
     known = {
         "magic", "format_version", "generation", "files", "sizes", "count", "index_dtype",
         "state_dtype", "mode", "source", "options", "classes", "skipped", "warnings",
-        "fingerprints", "decoder", "checksums", "fields", "requires", "members",
+        "fingerprints", "decoder", "checksums", "fields", "requires", "members", "origin",
     }  # fmt: skip
     manifest = Manifest(
         path=folder,
@@ -522,6 +518,7 @@ def manifest_from_json(m: dict[str, Any], folder: Path, mpath: Path) -> Manifest
         data_generation=data_gen,
         fields=fields,
         members=members,
+        origin=check_origin(m, mode, mpath, MAX_PATH),
     )
     expect(
         requires == manifest.requires,

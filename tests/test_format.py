@@ -77,7 +77,8 @@ MANIFESTS = [
      "rebuild it: mmcache build "),
     ("unknown required feature", _set("requires", ["layout:hdr", "layout:rgb"]), CacheFormatError,
      "the cache requires 'layout:hdr', which this mmcache does not know (it knows fields, "
-     "fill-markers, masks, layout:rgb, layout:yuv420); upgrade mmcache or rebuild the cache"),
+     "fill-markers, masks, remote-fill, layout:rgb, layout:yuv420); upgrade mmcache or rebuild "
+     "the cache"),
     ("requires missing", _drop("requires"), CacheFormatError,
      "requires is None, expected a list of feature names"),
     ("requires not a list", _set("requires", "layout:rgb"), CacheFormatError,
@@ -132,6 +133,14 @@ MANIFESTS = [
      "options are not valid: unknown option 'sharpen'"),
     ("colour", _set_option("color", "sepia"), CacheFormatError,
      "options are not valid: color"),
+    ("origin in a built cache", _set("origin", {"url": "s3://bucket/train"}), CacheFormatError,
+     "a copy with an origin must be a lazy cache"),
+    ("origin not an object", _set("origin", "s3://bucket/train"), CacheFormatError,
+     'origin must be {"url"}, a store URL without credentials'),
+    ("origin with credentials", _set("origin", {"url": "s3://AKIA:secret@host/train"}),
+     CacheFormatError, 'origin must be {"url"}, a store URL without credentials'),
+    ("origin not a URL", _set("origin", {"url": "/data/train"}), CacheFormatError,
+     'origin must be {"url"}, a store URL without credentials'),
 ]  # fmt: skip
 
 
