@@ -19,13 +19,16 @@ deletes those files. See the format's specification.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import multiprocessing.util
 import os
 import secrets
 import weakref
 import zlib
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -38,6 +41,36 @@ from .decode import DEFAULT_MAX_PIXELS, Options, decode_record
 from .errors import CacheError, CacheFormatError, DestinationError, UnsafeCacheError
 from .sources import SOURCES, decode_member
 from .space import disk_full_error
+
+
+class Filler(Protocol):
+    """What stores a lazy cache's ``EMPTY`` records in one process (``pid``)."""
+
+    pid: int
+
+    def fill(self, i: int) -> tuple[int, np.ndarray | None]:
+        """Store record ``i``: ``(its new state, its pixels as stored if FILLED)``."""
+        ...
+
+    def fill_ahead(self, records: np.ndarray, stopped: Callable[[], bool]) -> None:
+        """Store ``records`` ahead of their reads where many at once cost less than one at a
+        time (until ``stopped()``), or do nothing."""
+        ...
+
+    def close(self) -> None:
+        """Flush what this process filled, delete its ``filling-`` file, close its files."""
+        ...
+
+
+def open_filler(files: fmt.CacheFiles, source_given: bool = False) -> Filler:
+    """The filler of ``files`` for this process: a ``RecordFiller``, which decodes the source,
+    or for a node-local copy (an ``origin``) the ``RemoteFiller`` that fetches from the store
+    (imported only then: the core imports no object-store module)."""
+    if files.manifest.origin is not None:
+        sparse = importlib.import_module("mmcache.remote.sparse")
+        filler: Filler = sparse.RemoteFiller(files)
+        return filler
+    return RecordFiller(files, source_given)
 
 
 class RecordFiller:
@@ -128,6 +161,9 @@ class RecordFiller:
                 raise full from None
             raise
         return code, pixels
+
+    def fill_ahead(self, records: np.ndarray, stopped: Callable[[], bool]) -> None:
+        """Nothing: decoding ahead would take the loader's CPU for what it decodes anyway."""
 
     def close(self) -> None:
         """Flush what this process filled to disk, delete its ``filling-`` file, close."""

@@ -16,6 +16,7 @@ import mmap
 import os
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 
 from . import format as fmt
 from . import pixels as px
-from ._filler import RecordFiller, lost_fill_markers
+from ._filler import Filler, lost_fill_markers, open_filler
 from ._opening import open_for_reading
 from .decode import undecodable_reason
 from .errors import CacheFormatError, DecodeError
@@ -129,7 +130,7 @@ class RecordReader:
         # The record states and their codes, mapped with the data (empty until then).
         self.states = np.zeros(0, fmt.STATE_DTYPE)
         self.codes = self.states["state"]
-        self.filler: RecordFiller | None = None
+        self.filler: Filler | None = None
         self.fit_checked, self.exact = -FIT_CHECK_SECONDS, False  # see reads_exactly
         # Fills a power cut may have lost (another boot's ``filling-`` files): each FILLED
         # record's CRC-32 is checked before it is trusted, and one that fails is filled again.
@@ -235,10 +236,7 @@ class RecordReader:
         if self.unsure and code == fmt.FILLED and self.lost(i):
             code = fmt.EMPTY  # a fill that a power cut lost: filled again
         if code == fmt.EMPTY:
-            if self.filler is None or self.filler.pid != os.getpid():
-                # (a forked DataLoader worker fills under a filling- file of its own)
-                self.filler = RecordFiller(self.files, self.source_given)
-            code, pixels = self.filler.fill(i)
+            code, pixels = self.own_filler().fill(i)
             if pixels is not None and self.verified is not None:
                 self.verified[i] = True  # its CRC was computed from these very pixels
             return pixels  # the decoded array: no need to read back what was just written
@@ -248,6 +246,21 @@ class RecordReader:
         if self.verified is not None and not self.verified[i]:
             self.verify(i, stored)
         return stored
+
+    def own_filler(self) -> Filler:
+        """This process's filler (a forked DataLoader worker fills under a ``filling-`` file of
+        its own)."""
+        if self.filler is None or self.filler.pid != os.getpid():
+            self.filler = open_filler(self.files, self.source_given)
+        return self.filler
+
+    def fill_ahead(self, records: np.ndarray, stopped: Callable[[], bool]) -> None:
+        """Fill those of ``records`` that are ``EMPTY``, ahead of their reads, where the filler
+        does many at once for less (a sparse copy's fetches), until ``stopped()``."""
+        self.mapping()
+        empty = records[self.codes[records] == fmt.EMPTY]
+        if len(empty):
+            self.own_filler().fill_ahead(empty, stopped)
 
     def lost(self, i: int) -> bool:
         """Whether FILLED record ``i`` fails its CRC-32 (checked once per reader): its fill

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +251,9 @@ class QuasiRandomSampler(Sampler[int]):
             order, starts = order[skip:], np.unique(np.maximum(starts - skip, 0))
         if not (self.prefetch and self._layout is not None and len(order)):
             return order, None
-        return order, ReadAhead(*self._layout, order, starts)
+        assert isinstance(self.data_source, MemmapImageDataset)  # (it has a layout)
+        fill = self.data_source.reader.fill_ahead
+        return order, ReadAhead(*self._layout, order, starts, fill)
 
     def __iter__(self) -> Iterator[int]:
         if not self._epoch_set:
@@ -437,8 +439,10 @@ class ReadAhead:
         sizes: np.ndarray,
         order: np.ndarray,
         starts: np.ndarray,
+        fill: Callable[[np.ndarray, Callable[[], bool]], None] | None = None,
     ) -> None:
         self.offsets, self.sizes, self.order = offsets, sizes, order
+        self.fill = fill  # fills a buffer's empty records first (a sparse copy's fetches)
         self.starts = starts.tolist()
         self.bytes = np.add.reduceat(sizes[order], starts).tolist() if len(order) else []
         self.requested = 0  # buffers before this one are requested (or passed over)
@@ -510,6 +514,8 @@ class ReadAhead:
         try:
             while not self.stopped and (request := self.requests.get()) is not None:
                 what, b = request
+                if what == "read" and self.fill is not None:
+                    self.fill(self._records(b), lambda: self.stopped)
                 for offset, length in self._runs(b):
                     if self.stopped:
                         return
@@ -534,9 +540,13 @@ class ReadAhead:
                 self.stopped = True  # nothing more will be read: release the waits
                 self.cond.notify_all()
 
-    def _runs(self, b: int) -> list[tuple[int, int]]:
+    def _records(self, b: int) -> np.ndarray:
+        """Buffer ``b``'s records, sorted."""
         end = self.starts[b + 1] if b + 1 < len(self.starts) else len(self.order)
-        return _runs(np.sort(self.order[self.starts[b] : end]), self.offsets, self.sizes)
+        return np.sort(self.order[self.starts[b] : end])
+
+    def _runs(self, b: int) -> list[tuple[int, int]]:
+        return _runs(self._records(b), self.offsets, self.sizes)
 
     def _warn(self, room: float) -> None:
         if not self.warned:

@@ -245,3 +245,33 @@ def s3_bucket(s3_server, request) -> str:
     """A new, empty bucket on the session's server, named after the test."""
     stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40]
     return s3_server.make_bucket(f"{stem}-{uuid.uuid4().hex[:8]}".lstrip("-"))
+
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def remote(request, monkeypatch) -> str:
+    """A fresh prefix in a bucket of the session's S3 server (its endpoint and credentials in
+    the environment, as a user's would be)."""
+    server = request.getfixturevalue("s3_server")
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{request.getfixturevalue('s3_bucket')}/caches/train"
+
+
+def big_folder(root: Path, n: int = 12) -> Path:
+    """Images of ~0.9 MB decoded: a few MiB of cache, several 1 MiB chunks."""
+    return make_folder(root, {"a": [(640, 480)] * (n // 2), "b": [(600, 500)] * (n - n // 2)})
+
+
+def same_records(a: Path, b: Path) -> None:
+    """The caches in ``a`` and ``b`` are one generation, with the same records and pixels."""
+    x, y = fmt.open_cache(a), fmt.open_cache(b)
+    assert x.manifest.generation == y.manifest.generation
+    assert x.paths() == y.paths()
+    np.testing.assert_array_equal(x.index, y.index)
+    ra, rb = mmcache.MemmapImageDataset(a), mmcache.MemmapImageDataset(b)
+    assert len(ra) == len(rb)
+    for i in range(len(ra)):
+        assert np.array_equal(np.asarray(ra[i][0]), np.asarray(rb[i][0])) and ra[i][1] == rb[i][1]

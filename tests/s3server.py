@@ -6,7 +6,8 @@ binary itself. ``S3Server`` starts it on free loopback ports with one identity, 
 key and secret (a wrong key or secret is refused: 403 SignatureDoesNotMatch / InvalidAccessKeyId;
 anonymous requests too), and waits until a signed ListBuckets succeeds. ``stop()`` and
 ``start()`` again reuse the same ports and folder, so objects outlive a restart: the "server
-down mid-transfer" tests stop it, watch the client fail, and start it again.
+down mid-transfer" tests stop it, watch the client fail, and start it again. ``throttle(n)``
+makes it refuse reads beyond ``n`` at once with 503, as a store under load does.
 
     with S3Server() as s3:
         s3.make_bucket("caches")
@@ -308,6 +309,24 @@ class S3Server:
             aws_secret_access_key=self.secret_key if secret_key is None else secret_key,
             region_name=self.region,
             config=Config(**config),
+        )
+
+    def throttle(self, reads: int) -> None:
+        """Refuse reads beyond ``reads`` at once with 503 (SeaweedFS's circuit breaker, its
+        ``ErrTooManyRequest``), as a store under load throttles: set with ``weed shell``, and
+        in force once the gateway has read it (a second or so later)."""
+        command = f"s3.circuitBreaker -global -type Count -actions Read -values {reads} -apply"
+        master = f"127.0.0.1:{self.ports['master']}.{self.ports['master_grpc']}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        subprocess.run(
+            [self.weed, "shell", f"-master={master}"],
+            input=f"{command}\nexit\n",
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd=self.root,
+            env={**env, "HOME": str(self.root)},
         )
 
     def make_bucket(self, name: str) -> str:

@@ -15,41 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_folder, wait_until, write_image
+from conftest import MIB, big_folder, same_records, wait_until, write_image
 
 import mmcache
 from mmcache import format as fmt
 from mmcache.cli import main
 from mmcache.remote.published import REMOTE_NAME
 from mmcache.remote.stores import open_store
-
-MIB = 1 << 20
-
-
-@pytest.fixture
-def remote(request, monkeypatch) -> str:
-    """A fresh prefix in a bucket of the session's S3 server (its endpoint and credentials in
-    the environment, as a user's would be)."""
-    server = request.getfixturevalue("s3_server")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    return f"s3://{request.getfixturevalue('s3_bucket')}/caches/train"
-
-
-def big_folder(root: Path, n: int = 12) -> Path:
-    """Images of ~0.9 MB decoded: a few MiB of cache, several 1 MiB chunks."""
-    return make_folder(root, {"a": [(640, 480)] * (n // 2), "b": [(600, 500)] * (n - n // 2)})
-
-
-def same_records(a: Path, b: Path) -> None:
-    x, y = fmt.open_cache(a), fmt.open_cache(b)
-    assert x.manifest.generation == y.manifest.generation
-    assert x.paths() == y.paths()
-    np.testing.assert_array_equal(x.index, y.index)
-    ra, rb = mmcache.MemmapImageDataset(a), mmcache.MemmapImageDataset(b)
-    assert len(ra) == len(rb)
-    for i in range(len(ra)):
-        assert np.array_equal(np.asarray(ra[i][0]), np.asarray(rb[i][0])) and ra[i][1] == rb[i][1]
 
 
 def test_a_pushed_cache_pulls_back_identical_and_a_second_push_sends_nothing(tmp_path, remote):

@@ -1,5 +1,6 @@
 """Object-store faults, against a real S3 server: refused credentials, a server down at open or
-mid-transfer, a publication forged to reach outside its prefix, a client made before fork."""
+mid-transfer (a pull's, a push's, a sparse copy's fill), a publication forged to reach outside
+its prefix, a client made before fork."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import multiprocessing
 import threading
 
 import pytest
-from conftest import make_folder
+from conftest import make_folder, wait_until
 
 import mmcache
 from mmcache import format as fmt
 from mmcache.cli import main
+from mmcache.remote import sparse
 from mmcache.remote.published import REMOTE_NAME
 from mmcache.remote.stores import open_store
 
@@ -165,3 +167,59 @@ def test_a_store_used_before_fork_works_in_the_forked_child(
     child.join(120)
     assert child.exitcode == 0 and out.get(timeout=5) == 8
     assert store.get(REMOTE_NAME) is not None  # and the parent's still works
+
+
+def test_a_copy_is_read_without_the_store_and_a_record_it_lacks_names_the_url(
+    cache, tmp_path, private_s3_server, monkeypatch
+):
+    url = serve(private_s3_server, monkeypatch)
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)  # two records a block
+    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "1")
+    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    ds[0]
+    private_s3_server.stop()
+    with pytest.raises(mmcache.RemoteError, match=rf"^{url}/data-\S+: failed for 1 s"):
+        ds[7]
+    with pytest.warns(mmcache.StaleCacheWarning, match="using the local copy as it is"):
+        ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    assert ds[1][0].shape == (480, 640, 3)  # fetched with record 0
+
+    private_s3_server.start()
+    for i in range(len(ds)):
+        ds[i]
+    private_s3_server.stop()  # complete: the store is not needed any more
+    with pytest.warns(mmcache.StaleCacheWarning):
+        ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    reference = mmcache.MemmapImageDataset(cache)
+    for i in range(len(ds)):
+        assert (ds[i][0] == reference[i][0]).all()
+
+
+def test_a_throttling_store_s_503s_are_retried_by_a_pull_and_a_sparse_copy(
+    cache, tmp_path, private_s3_server, monkeypatch
+):
+    url = serve(private_s3_server, monkeypatch)
+    mmcache.push_cache(cache, url, chunk_bytes=MIB)
+    private_s3_server.throttle(reads=1)
+    monkeypatch.setattr("mmcache.remote.pull.RUN_BYTES", MIB)  # 8 requests at once
+    attempts = iter(range(1000))
+
+    def refused_without_retries() -> bool:  # once the gateway applies the throttle
+        try:
+            mmcache.pull_cache(url, tmp_path / f"try{next(attempts)}", retry_seconds=0)
+        except mmcache.RemoteError as e:
+            assert "ErrTooManyRequest" in str(e)
+            return True
+        return False
+
+    wait_until(refused_without_retries, "the server to throttle concurrent reads", 60)
+    report = mmcache.pull_cache(url, tmp_path / "local", retry_seconds=60)
+    assert report.fetched_records == 8
+    assert mmcache.verify_cache(tmp_path / "local").bad == []
+
+    monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)
+    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    loader = mmcache.BatchLoader(ds, 4, crop=mmcache.RandomResizedCrop(32), num_threads=2)
+    assert sum(len(labels) for _, labels in loader) == 8
+    assert (fmt.open_cache(tmp_path / "node").state["state"] == fmt.FILLED).all()

@@ -1,5 +1,5 @@
 """The node-local copy behind ``MemmapImageDataset(url)``: where it lives, and bringing it up to
-date with the remote when the dataset is opened."""
+date with the remote when the dataset is opened (a sparse copy, ``mmcache.remote.sparse``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import CacheError, RemoteError, StaleCacheWarning
-from .pull import pull_cache
+from .sparse import sparse_copy
 from .stores import locate
 
 # Where copies go without ``local=``: $MMCACHE_LOCAL, else the user's cache folder.
@@ -27,9 +27,10 @@ def default_local(url: str) -> Path:
 
 
 def up_to_date_copy(url: str, local: str | os.PathLike | None, on_stale: str) -> Path:
-    """The local copy of the cache published at ``url``, pulled (only what it lacks) first.
+    """The local copy of the cache published at ``url``: a copy of its latest generation,
+    sparse when first made (records are fetched as they are read), or pulled whole.
 
-    A store that cannot be reached leaves a complete local copy usable: with ``on_stale``
+    A store that cannot be reached leaves the local copy usable as it is: with ``on_stale``
     ``"warn"`` (a ``StaleCacheWarning``) or ``"ignore"``; ``"error"`` and ``"refresh"`` raise.
 
     Raises:
@@ -37,7 +38,7 @@ def up_to_date_copy(url: str, local: str | os.PathLike | None, on_stale: str) ->
     """
     folder = Path(local) if local is not None else default_local(url)
     try:
-        pull_cache(url, folder)
+        sparse_copy(url, folder)
     except RemoteError as e:
         if on_stale in ("error", "refresh") or not (folder / "manifest.json").exists():
             raise

@@ -90,6 +90,28 @@ class Published:
             found.append(c)
         return found
 
+    def read_range(self, start: int, end: int, store: Store | None = None) -> bytes:
+        """Bytes ``start`` to ``end`` of the data file, from the chunks that hold them (read
+        through ``store``, another client of the same prefix, or the publication's own).
+
+        Raises:
+            CacheFormatError: a chunk is missing or shorter than published.
+            RemoteError: the store failed for longer than its retries allow.
+        """
+        parts = []
+        for key, at, size, _ in self.chunks_within(start, end):
+            a, b = max(start, at) - at, min(end, at + size) - at
+            got = (store or self.store).get(key, a, b)
+            if got is None or len(got) != b - a:
+                raise CacheFormatError(
+                    f"{self.store.url}/{key}: "
+                    f"{'missing' if got is None else 'shorter than published'}; the cache was "
+                    "pushed again since this copy began (open or pull it again), or damaged "
+                    "(push it again)"
+                )
+            parts.append(got)
+        return b"".join(parts)
+
 
 def file_size(m: fmt.Manifest, kind: str) -> int:
     """The size of ``m``'s file of ``kind`` (the members file's is in its own entry)."""

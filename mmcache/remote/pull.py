@@ -84,13 +84,14 @@ def pull_cache(
     with writer_lock(folder):
         current = open_existing(folder)
         report = PullReport(store.url, folder, m.count, sum(m.sizes.values()), 0, 0, 0, 0.0)
-        if current is not None and current.manifest.generation == m.generation:
+        same = current is not None and current.manifest.generation == m.generation
+        if same and current is not None and current.manifest.origin is None:
             report.up_to_date, report.present = True, m.count
-        else:
+        else:  # (a sparse copy of this generation is completed: its records are kept)
             current = remove_stale_generations(folder, current, resumed=m)
             _pull(published, current, report, progress, concurrency)
             publish_manifest(folder, published.raw["manifest"])
-            if current is not None:
+            if current is not None and not same:
                 retire(current.manifest, m)
     report.seconds = time.perf_counter() - start
     return report
@@ -112,7 +113,7 @@ def _pull(
     needed = {k: file_size(m, k) for k in m.written_kinds if k != "data" or not existed}
     check_free_space(m.path, disk_bytes(needed), advice="free some space or pull elsewhere")
     for kind, o in published.objects.items():
-        _fetch_whole(store, o, m.file(kind))
+        fetch_whole(store, o, m.file(kind))
     if not existed:
         os.close(create_exclusively(data))
     fd = open_for_writing(data)
@@ -144,7 +145,11 @@ def _missing(
     found = VerifyReport(cache=files.manifest.path, records=0, checked=0, bytes=0, seconds=0.0)
     check_checksums(files, filled, found)
     bad = np.array([b.index for b in found.bad], np.int64)
-    if current is not None and current.manifest.file("data") == files.manifest.file("data"):
+    if (
+        current is not None
+        and current.manifest.origin is None  # (a sparse copy's bytes are the remote's)
+        and current.manifest.file("data") == files.manifest.file("data")
+    ):
         # Records of the published local cache are below its size: they must be the remote's.
         ends = files.index["offset"][bad] + fmt.record_nbytes(
             files.index, files.manifest.pixels, files.manifest.mask
@@ -198,7 +203,7 @@ class _Fetch:
         try:
             start, end, records = run
             for attempt in (1, 2):
-                buf = self._read(start, end)
+                buf = self.published.read_range(start, end)
                 bad = self._first_bad(buf, start, records)
                 if bad is None:
                     break
@@ -217,32 +222,26 @@ class _Fetch:
         except BaseException as e:  # noqa: BLE001 - kept, raised by the caller's thread
             self.failure = self.failure or e
 
-    def _read(self, start: int, end: int) -> bytes:
-        """Bytes ``start`` to ``end`` of the data file, from the chunks that hold them."""
-        parts = []
-        for key, at, size, _ in self.published.chunks_within(start, end):
-            a, b = max(start, at) - at, min(end, at + size) - at
-            got = self.published.store.get(key, a, b)
-            if got is None or len(got) != b - a:
-                raise CacheFormatError(
-                    f"{self.published.store.url}/{key}: "
-                    f"{'missing' if got is None else 'shorter than published'}; the cache was "
-                    "pushed again since this pull began (pull again), or damaged (push again)"
-                )
-            parts.append(got)
-        return b"".join(parts)
-
     def _first_bad(self, buf: bytes, start: int, records: np.ndarray) -> int | None:
-        view = memoryview(buf)
-        crcs = self.files.state["crc32"]
-        for r in records:
-            a = int(self.files.index["offset"][r]) - start
-            if zlib.crc32(view[a : a + int(self.nbytes[r])]) != int(crcs[r]):
-                return int(r)
-        return None
+        return first_bad_record(buf, start, records, self.files, self.nbytes)
 
 
-def _fetch_whole(store: Store, o: dict, path: Path) -> None:
+def first_bad_record(
+    buf: bytes | bytearray, start: int, records: np.ndarray, files: fmt.CacheFiles,
+    nbytes: np.ndarray,
+) -> int | None:
+    """The first of ``records`` (sizes ``nbytes``) whose bytes in ``buf``, bytes of the data
+    file from ``start``, fail the CRC-32 ``files.state`` gives it; None if all pass."""
+    view = memoryview(buf)
+    crcs = files.state["crc32"]
+    for r in records:
+        a = int(files.index["offset"][r]) - start
+        if zlib.crc32(view[a : a + int(nbytes[r])]) != int(crcs[r]):
+            return int(r)
+    return None
+
+
+def fetch_whole(store: Store, o: dict, path: Path) -> None:
     """Fetch object ``o`` (``{"key", "size", "crc32"}``) into ``path``, afresh (a resumed pull
     writes it again), in parts of at most RUN_BYTES, checked against its size and CRC-32."""
     with suppress(FileNotFoundError):

@@ -9,6 +9,7 @@ prefix. Each engine is one module with one class, registered here under its URL 
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import time
 from collections.abc import Callable
@@ -24,6 +25,9 @@ T = TypeVar("T")
 # down or restarting, throttling, a connection cut): a restart of an S3 gateway takes seconds,
 # a rolling upgrade of a cluster a minute or so.
 RETRY_SECONDS = 120.0
+# Sets it for the stores a process opens without being given a time: those of a dataset opened
+# by URL and of its DataLoader workers' fills.
+RETRY_ENV = "MMCACHE_RETRY_SECONDS"
 
 
 class Transient(Exception):
@@ -120,13 +124,22 @@ def locate(url: str) -> Location:
     return Location(parts.scheme, parts.netloc, path)
 
 
-def open_store(url: str, retry_seconds: float = RETRY_SECONDS) -> Store:
-    """The store for ``url``, through the engine its scheme names.
+def open_store(url: str, retry_seconds: float | None = None) -> Store:
+    """The store for ``url``, through the engine its scheme names; ``retry_seconds`` None:
+    ``$MMCACHE_RETRY_SECONDS``, else ``RETRY_SECONDS``.
 
     Raises:
-        RemoteError: as ``locate``, or the engine's library is not installed.
+        RemoteError: as ``locate``, or the engine's library is not installed, or the
+            variable is not a number of seconds.
     """
     where = locate(url)
+    if retry_seconds is None:
+        try:
+            retry_seconds = float(os.environ.get(RETRY_ENV) or RETRY_SECONDS)
+        except ValueError:
+            raise RemoteError(
+                f"${RETRY_ENV}={os.environ[RETRY_ENV]!r}: not a number of seconds"
+            ) from None
     module, name, extra = ENGINES[where.scheme]
     try:
         engine = getattr(importlib.import_module(module), name)
