@@ -126,10 +126,13 @@ class MemmapImageDataset(Dataset):
             ``mmcache build`` does (docs/refresh.md).
         local: with ``cache`` a URL (``s3://bucket/prefix``, ``file:///folder``: a cache
             pushed with ``push_cache``), the local folder of its copy (default: under
-            ``$MMCACHE_LOCAL``, else ``~/.cache/mmcache/remote``). Opening pulls what the copy
-            lacks (a first open: all of it; after the remote was pushed again: the new
-            records); a store that cannot be reached leaves a complete copy usable, as
-            ``on_stale`` says ("warn", "ignore"; "error" raises).
+            ``$MMCACHE_LOCAL``, else ``~/.cache/mmcache/remote``). The first open makes it a
+            sparse copy, each record fetched (with its neighbours) on its first read. A copy
+            of a generation pushed over since is used as it is (``on_stale="warn"``, with a
+            ``StaleCacheWarning``; ``"ignore"``, without asking the store), refused
+            (``"error"``), or brought to the new push (``"refresh"``: only its new records are
+            fetched); a store that cannot be reached leaves the copy usable as it is ("warn",
+            "ignore"; "error" and "refresh" raise).
         **options: in lazy mode, the preprocessing (``short_side=256``, ...), as for
             ``build_cache``; a built cache keeps the options it was built with.
 
@@ -168,15 +171,15 @@ class MemmapImageDataset(Dataset):
         local: str | os.PathLike | None = None,
         **options: Any,
     ) -> None:
+        if on_stale not in ON_STALE:
+            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
         if is_remote(cache):
             if source is not None:
                 raise ValueError("source= makes a lazy cache from images; a URL's is published")
-            # The local copy is the remote's latest (the check of its sources is the builder's).
+            # on_stale applies to the remote: the check of its sources is the builder's.
             cache, on_stale = up_to_date_copy(str(cache), local, on_stale), "ignore"
         elif local is not None:
             raise ValueError(f"local= is the folder of a remote cache's copy; {cache} is local")
-        if on_stale not in ON_STALE:
-            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}, got {on_stale!r}")
         if source_check not in SOURCE_CHECKS:
             raise ValueError(f"source_check must be 'quick' or 'full', got {source_check!r}")
         self.source_check = source_check

@@ -137,7 +137,7 @@ def test_a_dataset_opened_by_url_reads_its_local_copy_in_workers_and_follows_a_n
     write_image(src / "a" / "new.jpg", 640, 480, seed=77)
     mmcache.build_cache(src, tmp_path / "cache", workers=0)
     mmcache.push_cache(tmp_path / "cache", remote, chunk_bytes=MIB)
-    assert len(mmcache.MemmapImageDataset(remote, local=tmp_path / "node")) == 7
+    assert len(mmcache.MemmapImageDataset(remote, local=tmp_path / "node", on_stale="refresh")) == 7
 
 
 def test_two_nodes_pull_their_own_copies_and_two_processes_of_a_node_fetch_once(

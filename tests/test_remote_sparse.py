@@ -182,17 +182,29 @@ def test_a_pull_completes_a_sparse_copy_fetching_only_what_it_lacks(
     same_records(cache, tmp_path / "node")
 
 
-def test_a_copy_opened_after_a_new_push_keeps_the_records_it_had(tmp_path, pushed):
+def test_a_copy_opened_after_a_new_push_is_stale_as_on_stale_says_and_refreshed_keeps_its_records(
+    tmp_path, pushed
+):
     cache, url = pushed
     ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     for i in range(len(ds)):
         ds[i]
+    old = fmt.read_manifest(tmp_path / "node").generation
     write_image(tmp_path / "src" / "a" / "new.jpg", 640, 480, seed=77)
     mmcache.build_cache(tmp_path / "src", cache, workers=0)
     mmcache.push_cache(cache, url, chunk_bytes=MIB)
-
-    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     new = fmt.open_cache(cache)
+
+    generation = new.manifest.generation
+    pushed_again = f"{url} was pushed again since \\(generation {generation}, 9 images\\)"
+    with pytest.warns(mmcache.StaleCacheWarning, match=pushed_again + ": using the copy as it is"):
+        assert len(mmcache.MemmapImageDataset(url, local=tmp_path / "node")) == 8
+    with pytest.raises(mmcache.CacheStaleError, match=pushed_again):
+        mmcache.MemmapImageDataset(url, local=tmp_path / "node", on_stale="error")
+    assert len(mmcache.MemmapImageDataset(url, local=tmp_path / "node", on_stale="ignore")) == 8
+    assert fmt.read_manifest(tmp_path / "node").generation == old
+
+    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node", on_stale="refresh")
     assert len(ds) == 9 and fmt.read_manifest(tmp_path / "node").generation == (
         new.manifest.generation
     )

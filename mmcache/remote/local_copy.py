@@ -27,8 +27,9 @@ def default_local(url: str) -> Path:
 
 
 def up_to_date_copy(url: str, local: str | os.PathLike | None, on_stale: str) -> Path:
-    """The local copy of the cache published at ``url``: a copy of its latest generation,
-    sparse when first made (records are fetched as they are read), or pulled whole.
+    """The local copy of the cache published at ``url``, sparse when first made (records are
+    fetched as they are read): a copy of its latest generation, or with ``on_stale`` other than
+    ``"refresh"`` an earlier copy as ``sparse_copy`` says.
 
     A store that cannot be reached leaves the local copy usable as it is: with ``on_stale``
     ``"warn"`` (a ``StaleCacheWarning``) or ``"ignore"``; ``"error"`` and ``"refresh"`` raise.
@@ -38,7 +39,7 @@ def up_to_date_copy(url: str, local: str | os.PathLike | None, on_stale: str) ->
     """
     folder = Path(local) if local is not None else default_local(url)
     try:
-        sparse_copy(url, folder)
+        sparse_copy(url, folder, on_stale)
     except RemoteError as e:
         if on_stale in ("error", "refresh") or not (folder / "manifest.json").exists():
             raise

@@ -27,6 +27,7 @@ import fcntl
 import multiprocessing.util
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,13 @@ from .._generation import (
     writer_lock,
 )
 from .._opening import create_exclusively, open_for_writing, resize
-from ..errors import CacheError, CacheFormatError, CacheStaleError, DestinationError
+from ..errors import (
+    CacheError,
+    CacheFormatError,
+    CacheStaleError,
+    DestinationError,
+    StaleCacheWarning,
+)
 from ..space import check_free_space, disk_bytes
 from .published import Published, file_size, read_published
 from .pull import fetch_whole, first_bad_record
@@ -65,20 +72,27 @@ AHEAD_REQUESTS = 16
 AHEAD_RETRY_SECONDS = 5.0
 
 
-def sparse_copy(url: str, folder: Path, retry_seconds: float | None = None) -> Path:
+def sparse_copy(
+    url: str, folder: Path, on_stale: str = "refresh", retry_seconds: float | None = None
+) -> Path:
     """Make ``folder`` a sparse copy of the cache published under ``url``, fetching only its
     small files, unless it is a copy (sparse or pulled) of that generation already.
 
-    A sparse copy of an earlier generation that shares its data file (the remote was refreshed
-    and pushed again) keeps every record it had filled: those of the new generation at the same
-    place with the same CRC-32 start ``FILLED``.
+    A copy of an earlier generation (the cache was pushed again since) is brought to the new
+    one with ``on_stale="refresh"``, keeping every record it had filled that the new generation
+    keeps in place (same data file, offset and CRC-32); ``"warn"`` keeps it as it is with a
+    ``StaleCacheWarning``, ``"error"`` raises ``CacheStaleError``, and ``"ignore"`` uses any
+    copy as it is without asking the store.
 
     Raises:
         CacheNotFoundError, CacheFormatError, RemoteError: as ``pull_cache``.
+        CacheStaleError: with ``on_stale="error"``, the copy is of an earlier generation.
         NotACacheError, DestinationError, InsufficientSpaceError: ``folder`` cannot take it.
     """
-    store = open_store(url, retry_seconds)
     folder = fmt.cache_folder(folder)
+    if on_stale == "ignore" and open_existing(folder) is not None:
+        return folder
+    store = open_store(url, retry_seconds)
     published = read_published(store, folder)
     m = published.manifest
     prepare_folder(folder)
@@ -86,11 +100,30 @@ def sparse_copy(url: str, folder: Path, retry_seconds: float | None = None) -> P
         current = open_existing(folder)
         if current is not None and current.manifest.generation == m.generation:
             return folder
+        if current is not None and on_stale != "refresh":
+            _stale(current.manifest, m, store.url, on_stale)
+            return folder
         current = remove_stale_generations(folder, current)
         _make_copy(published, current)
         if current is not None:
             retire(current.manifest, m)
     return folder
+
+
+def _stale(copy: fmt.Manifest, latest: fmt.Manifest, url: str, on_stale: str) -> None:
+    """Say that ``copy`` is of an earlier generation than ``latest``, as ``on_stale`` asks."""
+    message = (
+        f"{copy.path}: a copy of generation {copy.generation} ({copy.count:,} images); {url} was "
+        f"pushed again since (generation {latest.generation}, {latest.count:,} images)"
+    )
+    if on_stale == "error":
+        raise CacheStaleError(f"{message}; on_stale='refresh' follows it")
+    warnings.warn(
+        f"{message}: using the copy as it is; on_stale='refresh' follows the new push, "
+        "fetching only what it adds",
+        StaleCacheWarning,
+        stacklevel=5,  # (the caller of MemmapImageDataset)
+    )
 
 
 def _make_copy(published: Published, current: fmt.CacheFiles | None) -> None:
@@ -158,6 +191,7 @@ class RemoteFiller:
         self.order = np.argsort(offsets, kind="stable")
         self.starts = (offsets[self.order] // BLOCK_BYTES).tolist()
         self.guard = threading.Lock()
+        self.reading = threading.Lock()  # held while the publication is read
         self.block_locks: dict[int, threading.Lock] = {}
         self.fds: list[int] = []
         try:
@@ -200,9 +234,10 @@ class RemoteFiller:
         time, until ``stopped()``: a reader's read-ahead (``QuasiRandomSampler``'s next buffer).
         A failure is left for the record's own read to meet and raise."""
         blocks = np.unique(self.files.index["offset"][records] // BLOCK_BYTES).tolist()
-        if self.ahead_store is None:
-            self.ahead_store = open_store(self.url, AHEAD_RETRY_SECONDS)
-        store = self.ahead_store
+        with self.reading:
+            if self.ahead_store is None:
+                self.ahead_store = open_store(self.url, AHEAD_RETRY_SECONDS)
+            store = self.ahead_store
 
         def fetch(b: int) -> None:
             if not stopped():
@@ -259,6 +294,10 @@ class RemoteFiller:
         """The publication this copy fetches from, read once per process: the copy's own, or a
         later one whose records lie in the same data file (a refresh appends, so the copy's
         bytes are where they were)."""
+        with self.reading:  # (one thread reads it: each open_store makes a client)
+            return self._read_publication()
+
+    def _read_publication(self) -> Published:
         if self.published is None:
             m = self.files.manifest
             p = read_published(open_store(self.url), m.path)
