@@ -108,3 +108,45 @@ def test_the_mutation_tool_mutates_the_named_module_alone_under_its_tests():
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_archives.py"]
     env = mutation.environment(Path("/scratch"))
     assert env["PYTHONPATH"] == "/scratch" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_delay_line_forwards_both_ways_after_its_delay(tmp_path):
+    """tools/_helpers/delay_line.py, remote_bench.py's link delay where the kernel has no
+    netem: bytes arrive whole and in order, each way at least its one-way delay later."""
+    import socket
+    import threading
+    import time
+
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = subprocess.Popen(
+        [sys.executable, str(TOOLS / "_helpers" / "delay_line.py"), str(port), "127.0.0.1",
+         str(echo.getsockname()[1]), "50"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert line.stdout.readline().strip() == "ready"
+        payload = bytes(range(256)) * 4096  # 1 MiB, in many chunks
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            start = time.monotonic()
+            c.sendall(payload)
+            got = bytearray()
+            while len(got) < len(payload):
+                got += c.recv(1 << 16)
+            elapsed = time.monotonic() - start
+        assert bytes(got) == payload
+        assert elapsed >= 0.1  # out and back: two one-way delays of 50 ms
+    finally:
+        line.kill()
+        line.communicate()
+        echo.close()

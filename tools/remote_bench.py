@@ -94,7 +94,7 @@ def delayed(server: S3Server, delay_ms: float) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()
 
 
 def remove_link() -> None:
