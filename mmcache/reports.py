@@ -200,6 +200,7 @@ class CacheInfo:
         resident_bytes: bytes of the data file in the page cache now (``None``: unknown here).
         ram_total / ram_available: the machine's RAM, or its control group's limit and headroom
             when that is smaller (``cgroup_limited``).
+        origin: the URL a node-local copy fetches its records from (None: no copy).
     """
 
     cache: str
@@ -230,6 +231,7 @@ class CacheInfo:
     annotations: dict[str, Any] = field(default_factory=dict)
     # Where they came from: "masks" (the folder), "coco" (the file), as recorded.
     source_paired: dict[str, str] = field(default_factory=dict)
+    origin: str | None = None
 
     @property
     def fixed_size(self) -> bool:

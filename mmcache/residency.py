@@ -293,6 +293,7 @@ def cache_info(
             **{f["name"]: f for f in m.fields if not f["name"].startswith("_")},
         },
         source_paired={k: str(m.source[k]) for k in ("masks", "coco") if m.source.get(k)},
+        origin=str(m.origin["url"]) if m.origin else None,
     )
 
 

@@ -20,6 +20,7 @@ from conftest import MIB, big_folder, same_records, wait_until, write_image
 
 import mmcache
 from mmcache import format as fmt
+from mmcache.cli import main
 from mmcache.remote import sparse
 from mmcache.remote.published import REMOTE_NAME
 from mmcache.remote.stores import open_store
@@ -39,7 +40,7 @@ def filled(folder) -> np.ndarray:
 
 
 def test_opening_a_url_fetches_no_record_and_a_first_read_fetches_its_block(
-    tmp_path, pushed, monkeypatch
+    tmp_path, pushed, monkeypatch, capsys
 ):
     cache, url = pushed
     monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)
@@ -58,6 +59,10 @@ def test_opening_a_url_fetches_no_record_and_a_first_read_fetches_its_block(
     block = files.index["offset"] // MIB  # the records that start in record 5's MiB
     np.testing.assert_array_equal(filled(tmp_path / "node"), block == block[5])
     assert ds.reader.filler.fetched == int((block == block[5]).sum())
+    assert main(["info", str(tmp_path / "node")]) == 0
+    out = capsys.readouterr().out
+    assert f"copy of:    {url} (records fetched as they are read)" in out
+    assert f"images:     8 ({int((block == block[5]).sum())} filled)" in out
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

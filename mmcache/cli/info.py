@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             if info.annotations
             else []
         ),
+        *([f"copy of:    {one_line(info.origin)} (records fetched as they are read)"]
+          if info.origin else []),  # fmt: skip
         f"images:     {info.images:,} ({info.filled:,} filled), "
         f"{count(len(info.classes), 'class', 'classes')}, {len(info.skipped):,} skipped, "
         f"{count(len(info.warnings), 'warning')}",
