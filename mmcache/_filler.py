@@ -182,6 +182,19 @@ def check_trusted_source(m: fmt.Manifest) -> None:
     Raises:
         UnsafeCacheError: naming the owner and the fix (``source=``).
     """
+    foreign = foreign_owner(m)
+    if foreign is not None:
+        path, owner = foreign
+        raise UnsafeCacheError(
+            f"{path}: belongs to uid {owner}, so the source its manifest names "
+            f"({m.source.get('root', '')!r}) is not decoded into it; open the cache with "
+            "source= set to that folder if you trust it, or build a cache of your own"
+        )
+
+
+def foreign_owner(m: fmt.Manifest) -> tuple[Path, int] | None:
+    """``(path, uid)`` of the cache folder or manifest when another user (not root) owns it:
+    whoever wrote that manifest chose what a fill reads, with this process's rights."""
     mine = (os.geteuid(), 0)
     for path in (m.path, m.path / fmt.MANIFEST_NAME):
         try:
@@ -189,11 +202,8 @@ def check_trusted_source(m: fmt.Manifest) -> None:
         except OSError:
             continue  # a manifest gone since it was read: its generation's reads fail anyway
         if owner not in mine:
-            raise UnsafeCacheError(
-                f"{path}: belongs to uid {owner}, so the source its manifest names "
-                f"({m.source.get('root', '')!r}) is not decoded into it; open the cache with "
-                "source= set to that folder if you trust it, or build a cache of your own"
-            )
+            return path, owner
+    return None
 
 
 def boot_id() -> str:

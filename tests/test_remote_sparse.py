@@ -215,3 +215,16 @@ def test_a_copy_opened_after_a_new_push_is_stale_as_on_stale_says_and_refreshed_
     )
     np.testing.assert_array_equal(filled(tmp_path / "node"), np.array(new.paths()) != "a/new.jpg")
     same_records(cache, tmp_path / "node")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_copy_another_user_owns_is_not_filled_with_our_credentials(tmp_path, pushed):
+    cache, url = pushed
+    mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    for path in (tmp_path / "node", tmp_path / "node" / fmt.MANIFEST_NAME):
+        os.chown(path, 65534, 65534)  # as if uid 65534 had made it, naming a store of theirs
+    ds = mmcache.MemmapImageDataset(tmp_path / "node")
+    with pytest.raises(mmcache.UnsafeCacheError, match=f"belongs to uid 65534, so the store its "
+                       f"manifest names \\({url}\\) is not fetched into it"):  # fmt: skip
+        ds[0]
+    assert not filled(tmp_path / "node").any()

@@ -39,9 +39,10 @@ import numpy as np
 from .. import format as fmt
 from .. import pixels as px
 from .._files import write_state
-from .._filler import fill_marker, release
+from .._filler import fill_marker, foreign_owner, release
 from .._generation import (
     open_existing,
+    open_lock,
     prepare_folder,
     remove_stale_generations,
     retire,
@@ -49,12 +50,14 @@ from .._generation import (
     writer_lock,
 )
 from .._opening import create_exclusively, open_for_writing, resize
+from .._records import mapped
 from ..errors import (
     CacheError,
     CacheFormatError,
     CacheStaleError,
     DestinationError,
     StaleCacheWarning,
+    UnsafeCacheError,
 )
 from ..space import check_free_space, disk_bytes
 from .published import Published, file_size, read_published
@@ -183,6 +186,12 @@ class RemoteFiller:
         m = files.manifest
         assert m.origin is not None
         self.files, self.url = files, str(m.origin["url"])
+        foreign = foreign_owner(m)
+        if foreign is not None:  # its manifest would choose what our credentials fetch
+            raise UnsafeCacheError(
+                f"{foreign[0]}: belongs to uid {foreign[1]}, so the store its manifest names "
+                f"({self.url}) is not fetched into it; open the URL with a local= of your own"
+            )
         self.published: Published | None = None  # read on the first fill
         self.fetched = 0  # records this process fetched
         self.ahead_store: Store | None = None  # read-ahead's client, of short retries
@@ -197,7 +206,7 @@ class RemoteFiller:
         try:
             for kind in ("data", "state"):
                 self.fds.append(open_for_writing(m.file(kind)))
-            self.fds.append(open_for_writing(m.path / fmt.LOCK_NAME))
+            self.fds.append(open_lock(m.path))
             self.marker = fill_marker(m.path)
         except OSError as e:
             while self.fds:
@@ -208,7 +217,7 @@ class RemoteFiller:
                 f"{m.path}: cannot fill the copy ({e.strerror}); records are stored where the "
                 "copy lies, so its user must be able to write there"
             ) from None
-        self.states = np.memmap(m.file("state"), fmt.STATE_DTYPE, mode="r", shape=(m.count,))
+        self.states = mapped(m.file("state"), fmt.STATE_DTYPE, m.count)  # shared: others' fills
         self.pid = os.getpid()
         self._release = weakref.finalize(self, release, self.fds, self.marker, self.pid)
         multiprocessing.util.Finalize(self, self._release, exitpriority=0)
