@@ -103,7 +103,8 @@ def test_a_batch_loader_on_a_url_gives_the_batches_of_the_cache_pushed(tmp_path,
 
 def test_two_processes_of_a_node_fill_one_copy_and_fetch_each_record_once(tmp_path, pushed):
     cache, url = pushed
-    # Each reads every record, in opposite orders, and says how many records it fetched.
+    # Each reads every record, in opposite orders, and says how many records it fetched: two
+    # processes of node 0, one of node 1 (another local folder).
     script = (
         "import sys, mmcache, mmcache.remote.sparse\n"
         "mmcache.remote.sparse.BLOCK_BYTES = 1 << 20\n"
@@ -115,14 +116,15 @@ def test_two_processes_of_a_node_fill_one_copy_and_fetch_each_record_once(tmp_pa
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script, url, tmp_path / "node", way], stdout=subprocess.PIPE
+            [sys.executable, "-c", script, url, tmp_path / node, way], stdout=subprocess.PIPE
         )
-        for way in ("up", "down")
+        for node, way in (("node0", "up"), ("node0", "down"), ("node1", "up"))
     ]
     fetched = [int(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sum(fetched) == 8
-    same_records(cache, tmp_path / "node")
+    assert sum(fetched[:2]) == 8 and fetched[2] == 8
+    for node in ("node0", "node1"):
+        same_records(cache, tmp_path / node)
 
 
 def test_a_filling_process_killed_leaves_no_record_wrong_and_the_next_completes_the_copy(
