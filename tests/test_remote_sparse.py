@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
@@ -26,13 +27,29 @@ from mmcache.remote.published import REMOTE_NAME
 from mmcache.remote.stores import open_store
 
 
+def push_eight(root, url: str):
+    """A cache of 8 images of ~0.9 MB (two in each MiB of its data file) in ``root``, pushed to
+    ``url``: ``(cache folder, url)``."""
+    mmcache.build_cache(big_folder(root / "src", n=8), root / "cache", workers=0)
+    mmcache.push_cache(root / "cache", url, chunk_bytes=MIB)
+    return root / "cache", url
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, s3_server):
+    """``push_eight`` once for the tests that only read the store (each copies it into a
+    folder of its own); the store's endpoint and key in the environment meanwhile."""
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in s3_server.env().items():
+            env.setenv(k, v)
+        url = f"s3://{s3_server.make_bucket(f'sparse-{uuid.uuid4().hex[:8]}')}/train"
+        yield push_eight(tmp_path_factory.mktemp("shared"), url)
+
+
 @pytest.fixture
 def pushed(tmp_path, remote):
-    """A cache of 8 images of ~0.9 MB (two in each MiB of its data file), pushed to
-    ``remote``: ``(cache folder, url)``."""
-    mmcache.build_cache(big_folder(tmp_path / "src", n=8), tmp_path / "cache", workers=0)
-    mmcache.push_cache(tmp_path / "cache", remote, chunk_bytes=MIB)
-    return tmp_path / "cache", remote
+    """``push_eight`` for a test that changes what the store holds."""
+    return push_eight(tmp_path, remote)
 
 
 def filled(folder) -> np.ndarray:
@@ -40,9 +57,9 @@ def filled(folder) -> np.ndarray:
 
 
 def test_opening_a_url_fetches_no_record_and_a_first_read_fetches_its_block(
-    tmp_path, pushed, monkeypatch, capsys
+    tmp_path, shared, monkeypatch, capsys
 ):
-    cache, url = pushed
+    cache, url = shared
     monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)
     ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     files = fmt.open_cache(tmp_path / "node")
@@ -67,12 +84,13 @@ def test_opening_a_url_fetches_no_record_and_a_first_read_fetches_its_block(
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_dataloader_workers_fill_the_copy_and_read_what_the_remote_holds(
-    tmp_path, pushed, method
+    tmp_path, shared, method
 ):
-    cache, url = pushed
+    cache, url = shared
     ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    workers = 2 if method == "fork" else 1  # (a spawned worker imports torch anew: seconds)
     loader = torch.utils.data.DataLoader(
-        ds, batch_size=None, num_workers=2, multiprocessing_context=method
+        ds, batch_size=None, num_workers=workers, multiprocessing_context=method
     )
     reference = mmcache.MemmapImageDataset(cache)
     n = 0
@@ -83,8 +101,8 @@ def test_dataloader_workers_fill_the_copy_and_read_what_the_remote_holds(
     assert mmcache.verify_cache(tmp_path / "node").bad == []
 
 
-def test_a_batch_loader_on_a_url_gives_the_batches_of_the_cache_pushed(tmp_path, pushed):
-    cache, url = pushed
+def test_a_batch_loader_on_a_url_gives_the_batches_of_the_cache_pushed(tmp_path, shared):
+    cache, url = shared
 
     def batches(ds):
         crop = mmcache.RandomResizedCrop(96)
@@ -101,8 +119,8 @@ def test_a_batch_loader_on_a_url_gives_the_batches_of_the_cache_pushed(tmp_path,
     assert filled(tmp_path / "node").all()
 
 
-def test_two_processes_of_a_node_fill_one_copy_and_fetch_each_record_once(tmp_path, pushed):
-    cache, url = pushed
+def test_two_processes_of_a_node_fill_one_copy_and_fetch_each_record_once(tmp_path, shared):
+    cache, url = shared
     # Each reads every record, in opposite orders, and says how many records it fetched: two
     # processes of node 0, one of node 1 (another local folder).
     script = (
@@ -116,21 +134,24 @@ def test_two_processes_of_a_node_fill_one_copy_and_fetch_each_record_once(tmp_pa
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script, url, tmp_path / node, way], stdout=subprocess.PIPE
+            [sys.executable, "-c", script, url, tmp_path / "node0", way], stdout=subprocess.PIPE
         )
-        for node, way in (("node0", "up"), ("node0", "down"), ("node1", "up"))
+        for way in ("up", "down")
     ]
+    node1 = mmcache.MemmapImageDataset(url, local=tmp_path / "node1")  # meanwhile, here
+    for i in range(len(node1)):
+        node1[i]
     fetched = [int(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sum(fetched[:2]) == 8 and fetched[2] == 8
+    assert sum(fetched) == 8 and node1.reader.filler.fetched == 8
     for node in ("node0", "node1"):
         same_records(cache, tmp_path / node)
 
 
 def test_a_filling_process_killed_leaves_no_record_wrong_and_the_next_completes_the_copy(
-    tmp_path, pushed
+    tmp_path, shared
 ):
-    cache, url = pushed
+    cache, url = shared
     script = (
         "import sys, mmcache, mmcache.remote.sparse\n"
         "mmcache.remote.sparse.BLOCK_BYTES = 1 << 20\n"
@@ -174,9 +195,9 @@ def test_a_record_altered_in_the_store_is_refused_by_name_and_stays_empty(tmp_pa
 
 
 def test_a_pull_completes_a_sparse_copy_fetching_only_what_it_lacks(
-    tmp_path, pushed, monkeypatch
+    tmp_path, shared, monkeypatch
 ):
-    cache, url = pushed
+    cache, url = shared
     monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)
     ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     ds[0]
@@ -220,8 +241,8 @@ def test_a_copy_opened_after_a_new_push_is_stale_as_on_stale_says_and_refreshed_
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
-def test_a_copy_another_user_owns_is_not_filled_with_our_credentials(tmp_path, pushed):
-    cache, url = pushed
+def test_a_copy_another_user_owns_is_not_filled_with_our_credentials(tmp_path, shared):
+    cache, url = shared
     mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     for path in (tmp_path / "node", tmp_path / "node" / fmt.MANIFEST_NAME):
         os.chown(path, 65534, 65534)  # as if uid 65534 had made it, naming a store of theirs
