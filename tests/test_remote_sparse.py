@@ -251,3 +251,14 @@ def test_a_copy_another_user_owns_is_not_filled_with_our_credentials(tmp_path, s
                        f"manifest names \\({url}\\) is not fetched into it"):  # fmt: skip
         ds[0]
     assert not filled(tmp_path / "node").any()
+
+
+def test_a_folder_holding_another_url_s_copy_is_refused(tmp_path, shared):
+    cache, url = shared
+    mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    other = f"file://{tmp_path}/store"
+    mmcache.push_cache(cache, other)
+    refused = f"holds a copy of {url}, not of {other}"
+    for on_stale in ("warn", "ignore", "refresh"):
+        with pytest.raises(mmcache.DestinationError, match=refused):
+            mmcache.MemmapImageDataset(other, local=tmp_path / "node", on_stale=on_stale)

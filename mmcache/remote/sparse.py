@@ -62,7 +62,7 @@ from ..errors import (
 from ..space import check_free_space, disk_bytes
 from .published import Published, file_size, read_published
 from .pull import fetch_whole, first_bad_record
-from .stores import Store, open_store
+from .stores import Store, locate, open_store
 
 __all__ = ["RemoteFiller", "sparse_copy"]
 
@@ -93,7 +93,7 @@ def sparse_copy(
         NotACacheError, DestinationError, InsufficientSpaceError: ``folder`` cannot take it.
     """
     folder = fmt.cache_folder(folder)
-    if on_stale == "ignore" and open_existing(folder) is not None:
+    if on_stale == "ignore" and _copy_of(open_existing(folder), locate(url).url):
         return folder
     store = open_store(url, retry_seconds)
     published = read_published(store, folder)
@@ -101,6 +101,12 @@ def sparse_copy(
     prepare_folder(folder)
     with writer_lock(folder):
         current = open_existing(folder)
+        if current is not None and not _copy_of(current, store.url):
+            other = (current.manifest.origin or {}).get("url")
+            raise DestinationError(
+                f"{folder}: holds a copy of {other}, not of {store.url}; give this URL a local "
+                "folder of its own"
+            )
         if current is not None and current.manifest.generation == m.generation:
             return folder
         if current is not None and on_stale != "refresh":
@@ -111,6 +117,12 @@ def sparse_copy(
         if current is not None:
             retire(current.manifest, m)
     return folder
+
+
+def _copy_of(files: fmt.CacheFiles | None, url: str) -> bool:
+    """Whether ``files`` are a copy of the cache at ``url``: a sparse one whose origin is
+    ``url``, or one pulled (a pull records no origin; it replaces what the folder held)."""
+    return files is not None and (files.manifest.origin or {"url": url})["url"] == url
 
 
 def _stale(copy: fmt.Manifest, latest: fmt.Manifest, url: str, on_stale: str) -> None:
