@@ -39,6 +39,31 @@ REFUSED_CODES = {
 }  # fmt: skip
 
 
+# One client per process and AWS_* environment, shared by every store (and thread) of that
+# process: making one costs tenths of a second of CPU (a sparse copy's fill, its read-ahead
+# and its publication each had their own).
+_CLIENTS: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def shared_client() -> Any:
+    """This process's boto3 S3 client for the ``AWS_*`` variables as they are now (made on
+    first use in each process: a forked child makes its own)."""
+    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), aws)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            config = botocore.config.Config(
+                max_pool_connections=POOL,
+                connect_timeout=10,
+                read_timeout=60,
+                retries={"total_max_attempts": 1},  # ``retried`` retries, for longer
+            )
+            client = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
+        return client
+
+
 class S3Store:
     """Objects under ``s3://bucket/prefix``."""
 
@@ -46,9 +71,6 @@ class S3Store:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds
-        self._lock = threading.Lock()
-        self._client: Any = None
-        self._pid = -1
 
     def __reduce__(self) -> tuple[Any, ...]:  # a worker process makes its own client
         return (S3Store, (self.where, self.retry_seconds))
@@ -57,18 +79,8 @@ class S3Store:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
 
     def client(self) -> Any:
-        """This process's client (made on first use in each process)."""
-        with self._lock:
-            if self._pid != os.getpid():
-                config = botocore.config.Config(
-                    max_pool_connections=POOL,
-                    connect_timeout=10,
-                    read_timeout=60,
-                    retries={"total_max_attempts": 1},  # ``retried`` retries, for longer
-                )
-                self._client = boto3.session.Session().client("s3", config=config)
-                self._pid = os.getpid()
-            return self._client
+        """This process's client for the environment as it is now (see ``shared_client``)."""
+        return shared_client()
 
     def _call(self, what: str, key: str, **kwargs: Any) -> Any:
         def once() -> Any:

@@ -74,6 +74,10 @@ BLOCK_BYTES = 8 << 20
 AHEAD_REQUESTS = 16
 AHEAD_RETRY_SECONDS = 5.0
 
+# The publications this process read when it opened copies, by (URL, generation): its fillers
+# start from them instead of reading remote.json again (forked workers inherit them).
+_OPENED: dict[tuple[str, str], Published] = {}
+
 
 def sparse_copy(
     url: str, folder: Path, on_stale: str = "refresh", retry_seconds: float | None = None
@@ -98,6 +102,7 @@ def sparse_copy(
     store = open_store(url, retry_seconds)
     published = read_published(store, folder)
     m = published.manifest
+    _OPENED[store.url, m.generation] = published
     prepare_folder(folder)
     with writer_lock(folder):
         current = open_existing(folder)
@@ -268,7 +273,7 @@ class RemoteFiller:
         with ThreadPoolExecutor(AHEAD_REQUESTS, thread_name_prefix="mmcache-fetch") as pool:
             list(pool.map(fetch, blocks))
 
-    def _fill_block(self, b: int, store: Store | None) -> tuple[int, bytearray] | None:
+    def _fill_block(self, b: int, store: Store | None) -> tuple[int, bytes] | None:
         """Fetch, check and store the records of block ``b`` still ``EMPTY``, holding the
         block's locks: ``(start, bytes)`` fetched, or None if none was left to fetch."""
         lo, hi = bisect.bisect_left(self.starts, b), bisect.bisect_right(self.starts, b)
@@ -284,14 +289,14 @@ class RemoteFiller:
             finally:
                 fcntl.lockf(lock_fd, fcntl.LOCK_UN, 1, b)
 
-    def _fetch(self, records: np.ndarray, store: Store | None) -> tuple[int, bytearray]:
+    def _fetch(self, records: np.ndarray, store: Store | None) -> tuple[int, bytes]:
         """Fetch ``records`` (of one block, in offset order), check and write them."""
         offsets = self.files.index["offset"]
         start = int(offsets[records[0]])
         end = int(offsets[records[-1]]) + int(self.nbytes[records[-1]])
         published = self._publication()
         for attempt in (1, 2):
-            buf = bytearray(published.read_range(start, end, store))
+            buf = published.read_range(start, end, store)
             bad = first_bad_record(buf, start, records, self.files, self.nbytes)
             if bad is None:
                 break
@@ -321,9 +326,12 @@ class RemoteFiller:
     def _read_publication(self) -> Published:
         if self.published is None:
             m = self.files.manifest
-            p = read_published(open_store(self.url), m.path)
-            pm = p.manifest
-            if pm.file("data") != m.file("data") or pm.sizes["data"] < m.sizes["data"]:
+            p = _OPENED.get((self.url, m.generation))
+            if p is None:
+                p = read_published(open_store(self.url), m.path)
+            pm = p.manifest  # (its path may be another copy's folder: names are compared)
+            data = m.file("data").name
+            if pm.file("data").name != data or pm.sizes["data"] < m.sizes["data"]:
                 raise CacheStaleError(
                     f"{self.url}: pushed again with another data file (generation "
                     f"{pm.generation}) since the copy in {m.path} was made; open it again"
