@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3server import S3Server  # noqa: E402
 
@@ -158,7 +160,16 @@ def epoch(ds) -> int:
     return sum(len(labels) for _, labels in loader)
 
 
-def run(args: argparse.Namespace, work: Path, server: S3Server, endpoint: str = "") -> list[tuple]:
+def cpu_busy(before, after) -> float:
+    """The share of the machine's CPU time between two ``psutil.cpu_times()`` not idle."""
+    spent = sum(after) - sum(before)
+    idle = (after.idle + getattr(after, "iowait", 0)) - (before.idle + getattr(before, "iowait", 0))
+    return 1 - idle / spent if spent > 0 else 0.0
+
+
+def run(
+    args: argparse.Namespace, work: Path, server: S3Server, notes: list[str], endpoint: str = ""
+) -> list[tuple]:
     os.environ.update(server.env())
     if endpoint:  # through the delay line (the bucket is made directly)
         os.environ["AWS_ENDPOINT_URL"] = endpoint
@@ -177,9 +188,16 @@ def run(args: argparse.Namespace, work: Path, server: S3Server, endpoint: str = 
     best_plain, best_pull = max(plain), max(pulled)
     rows.append(("pull vs plain download", best_pull, best_plain, best_pull / best_plain, 0.8))
     mmcache.MemmapImageDataset  # noqa: B018 - torch imported here, not inside the timing
+    cpu = psutil.cpu_times()
     ds, s = timed(lambda: mmcache.MemmapImageDataset(url, local=work / "node"))
     _, e1 = timed(lambda: epoch(ds))
+    busy = cpu_busy(cpu, psutil.cpu_times())
     first = size / (s + e1)
+    notes.append(
+        f"epoch one from the remote: open {s:.2f} s, epoch {e1:.2f} s; the CPU was "
+        f"{busy:.0%} busy meanwhile ({psutil.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}, the server and the link's delay line included)"
+    )
     rows.append(("epoch one from remote vs pull", first, best_pull, first / best_pull, 0.7))
     if args.link:  # the link's rate in bytes/s: "1gbit" is 125 MB/s
         rate = args.link.split(",")[1].lower()
@@ -218,6 +236,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mmcache-remote-bench-"))
     server_class, link, netem, delay_ms = S3Server, "", True, 0.0
+    notes: list[str] = []
     if args.link:
         delay, rate = args.link.split(",")
         delay_ms = float(delay.removesuffix("ms"))
@@ -227,10 +246,10 @@ def main() -> None:
     try:
         with server_class() as server:
             if netem:
-                rows = run(args, work, server)
+                rows = run(args, work, server, notes)
             else:
                 with delayed(server, delay_ms) as endpoint:
-                    rows = run(args, work, server, endpoint)
+                    rows = run(args, work, server, notes, endpoint)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.link:
@@ -247,6 +266,8 @@ def main() -> None:
         else:
             verdict = f">= {target:.2f} {'met' if ratio >= target else 'NOT met'}"
         print(f"{name:40} {a / unit:10.1f} M {b / unit:10.1f} M {ratio:7.3f}  {verdict}")
+    for note in notes:
+        print(note)
 
 
 if __name__ == "__main__":
