@@ -186,6 +186,8 @@ def test_a_copy_is_read_without_the_store_and_a_record_it_lacks_names_the_url(
     assert ds[1][0].shape == (480, 640, 3)  # fetched with record 0
 
     private_s3_server.start()
+    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "60")  # (a gateway just started may 5xx a while)
+    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     for i in range(len(ds)):
         ds[i]
     private_s3_server.stop()  # complete: the store is not needed any more
