@@ -175,10 +175,10 @@ def test_a_copy_is_read_without_the_store_and_a_record_it_lacks_names_the_url(
     url = serve(private_s3_server, monkeypatch)
     mmcache.push_cache(cache, url, chunk_bytes=MIB)
     monkeypatch.setattr(sparse, "BLOCK_BYTES", MIB)  # two records a block
-    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "1")
     ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     ds[0]
     private_s3_server.stop()
+    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "1")  # (read at each request)
     with pytest.raises(mmcache.RemoteError, match=rf"^{url}/data-\S+: failed for 1 s"):
         ds[7]
     with pytest.warns(mmcache.StaleCacheWarning, match="using the local copy as it is"):
@@ -186,11 +186,11 @@ def test_a_copy_is_read_without_the_store_and_a_record_it_lacks_names_the_url(
     assert ds[1][0].shape == (480, 640, 3)  # fetched with record 0
 
     private_s3_server.start()
-    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "60")  # (a gateway just started may 5xx a while)
-    ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
+    monkeypatch.delenv("MMCACHE_RETRY_SECONDS")  # (a gateway just started may 5xx a while)
     for i in range(len(ds)):
         ds[i]
     private_s3_server.stop()  # complete: the store is not needed any more
+    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "1")
     with pytest.warns(mmcache.StaleCacheWarning):
         ds = mmcache.MemmapImageDataset(url, local=tmp_path / "node")
     reference = mmcache.MemmapImageDataset(cache)
@@ -225,3 +225,9 @@ def test_a_throttling_store_s_503s_are_retried_by_a_pull_and_a_sparse_copy(
     loader = mmcache.BatchLoader(ds, 4, crop=mmcache.RandomResizedCrop(32), num_threads=2)
     assert sum(len(labels) for _, labels in loader) == 8
     assert (fmt.open_cache(tmp_path / "node").state["state"] == fmt.FILLED).all()
+
+
+def test_a_retry_time_that_is_no_number_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMCACHE_RETRY_SECONDS", "soon")
+    with pytest.raises(mmcache.RemoteError, match=r"^\$MMCACHE_RETRY_SECONDS='soon': not a number"):
+        mmcache.MemmapImageDataset(f"file://{tmp_path}/store", local=tmp_path / "node")

@@ -18,7 +18,7 @@ from .stores import Location
 class LocalStore:
     """Objects as files under ``file:///folder``."""
 
-    def __init__(self, where: Location, retry_seconds: float) -> None:
+    def __init__(self, where: Location, retry_seconds: float | None) -> None:
         self.url = where.url
         self.retry_seconds = retry_seconds
         self.folder = Path(where.prefix)

@@ -67,7 +67,7 @@ def shared_client() -> Any:
 class S3Store:
     """Objects under ``s3://bucket/prefix``."""
 
-    def __init__(self, where: Location, retry_seconds: float) -> None:
+    def __init__(self, where: Location, retry_seconds: float | None) -> None:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds

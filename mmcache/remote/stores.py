@@ -42,7 +42,7 @@ class Store(Protocol):
     """
 
     url: str
-    retry_seconds: float
+    retry_seconds: float | None  # None: as ``retry_time`` says at each request
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         """Bytes ``start`` to ``end`` (exclusive; None: to the end) of object ``key``; None if
@@ -126,20 +126,14 @@ def locate(url: str) -> Location:
 
 def open_store(url: str, retry_seconds: float | None = None) -> Store:
     """The store for ``url``, through the engine its scheme names; ``retry_seconds`` None:
-    ``$MMCACHE_RETRY_SECONDS``, else ``RETRY_SECONDS``.
+    ``$MMCACHE_RETRY_SECONDS`` as it is at each request, else ``RETRY_SECONDS``.
 
     Raises:
         RemoteError: as ``locate``, or the engine's library is not installed, or the
             variable is not a number of seconds.
     """
     where = locate(url)
-    if retry_seconds is None:
-        try:
-            retry_seconds = float(os.environ.get(RETRY_ENV) or RETRY_SECONDS)
-        except ValueError:
-            raise RemoteError(
-                f"${RETRY_ENV}={os.environ[RETRY_ENV]!r}: not a number of seconds"
-            ) from None
+    retry_time(retry_seconds)  # (a bad variable is refused here, before any request)
     module, name, extra = ENGINES[where.scheme]
     try:
         engine = getattr(importlib.import_module(module), name)
@@ -150,10 +144,26 @@ def open_store(url: str, retry_seconds: float | None = None) -> Store:
     return engine(where, retry_seconds)
 
 
-def retried(call: Callable[[], T], what: str, seconds: float) -> T:
+def retry_time(seconds: float | None) -> float:
+    """``seconds``, or for None ``$MMCACHE_RETRY_SECONDS`` now, else ``RETRY_SECONDS``.
+
+    Raises:
+        RemoteError: the variable is not a number of seconds.
+    """
+    if seconds is not None:
+        return seconds
+    try:
+        return float(os.environ.get(RETRY_ENV) or RETRY_SECONDS)
+    except ValueError:
+        value = os.environ[RETRY_ENV]
+        raise RemoteError(f"${RETRY_ENV}={value!r}: not a number of seconds") from None
+
+
+def retried(call: Callable[[], T], what: str, seconds: float | None) -> T:
     """``call()``, again after each ``Transient`` failure, waiting longer each time (0.1 s
-    doubling to 5 s, jittered), for at most ``seconds``; then ``RemoteError`` naming ``what``
-    and the last failure."""
+    doubling to 5 s, jittered), for at most ``seconds`` (None: ``retry_time``); then
+    ``RemoteError`` naming ``what`` and the last failure."""
+    seconds = retry_time(seconds)
     deadline = time.monotonic() + seconds
     wait = 0.1
     while True:
