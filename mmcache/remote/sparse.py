@@ -9,7 +9,8 @@ in the same ``BLOCK_BYTES`` of the data file, with one ranged read per chunk it 
 each record against its CRC-32 (fetching the block once more if one fails, then raising naming
 it); writes the bytes with ``pwrite`` and then each record's state, as a lazy fill does. A
 ``QuasiRandomSampler`` reads blocks of neighbouring records of the same size, so an epoch of it
-asks the store for large ranges, each once.
+asks the store for large ranges, each once; its read-ahead asks ``fill_ahead`` for the next
+buffer's blocks, ``AHEAD_REQUESTS`` at a time, while the loader reads the current one.
 
 Processes and threads that fill one copy take turns per block: a thread holds the block's lock
 in its process and a POSIX record lock on byte ``<block>`` of the cache's ``lock`` file (which
