@@ -84,12 +84,15 @@ class Location:
 # imports an optional library; and the extra that installs it, for the message without it.
 ENGINES: dict[str, tuple[str, str, str]] = {
     "s3": ("mmcache.remote.s3", "S3Store", "remote"),
+    "gs": ("mmcache.remote.gcs", "GCSStore", "gcs"),
+    "az": ("mmcache.remote.azure_blob", "AzureStore", "azure"),
     "file": ("mmcache.remote.local", "LocalStore", ""),
 }
 
 
 def is_remote(url: object) -> bool:
-    """Whether ``url`` is a string naming an object store (``s3://...``, ``file://...``)."""
+    """Whether ``url`` is a string naming an object store (``s3://``, ``gs://``, ``az://``,
+    ``file://``)."""
     return isinstance(url, str) and urlsplit(url).scheme in ENGINES and "://" in url
 
 
@@ -108,7 +111,8 @@ def locate(url: str) -> Location:
         # (the message must not repeat the URL: it holds a secret)
         raise RemoteError(
             f"{parts.scheme}://{parts.hostname}/...: credentials in a URL are refused; use "
-            "the environment (AWS_ACCESS_KEY_ID, a profile, an instance role)"
+            "the environment (AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, "
+            "AZURE_STORAGE_CONNECTION_STRING, a profile, an instance role)"
         )
     if parts.query or parts.fragment:
         raise RemoteError(f"{url}: a store URL takes no ?query or #fragment")
