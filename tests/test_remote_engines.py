@@ -95,6 +95,24 @@ def test_a_store_reads_ranges_lists_deletes_and_puts_a_large_object_in_parts(url
     }  # a prefix holds what lies under it
 
 
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_a_store_with_no_server_behind_it_is_retried_then_named(scheme, monkeypatch):
+    pytest.importorskip({"gs": "google.cloud.storage", "az": "azure.storage.blob"}[scheme])
+    from emulators import AZURE_ACCOUNT, AZURE_KEY, free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"  # free: nothing listens there
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", closed)
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING",
+        f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={AZURE_KEY};"
+        f"BlobEndpoint={closed}/{AZURE_ACCOUNT};",
+    )
+    url = f"{scheme}://nowhere/train"
+    for call in (lambda s: s.get(REMOTE_NAME), lambda s: s.put("x", b"1"), lambda s: s.sizes()):
+        with pytest.raises(mmcache.RemoteError, match=rf"^{url}/\S*: failed for 1 s, still fail"):
+            call(open_store(url, retry_seconds=1))
+
+
 def _pull_in_child(store, url, dest, out):
     from mmcache.remote.pull import pull_cache
 
