@@ -113,25 +113,33 @@ def test_a_store_with_no_server_behind_it_is_retried_then_named(scheme, monkeypa
             call(open_store(url, retry_seconds=1))
 
 
-def _pull_in_child(store, url, dest, out):
+# The method that gives a store this process's client (a bucket or container client over it).
+CLIENT = {"gs": "bucket", "az": "container"}
+
+
+def _pull_in_child(store, url, dest, out, parents):
     from mmcache.remote.pull import pull_cache
 
+    own = getattr(store, CLIENT[url.split(":")[0]])()
     assert store.get(REMOTE_NAME) is not None  # the parent's store object, used after fork
-    out.put(pull_cache(url, dest).fetched_records)
+    out.put((own is not parents, pull_cache(url, dest).fetched_records))
 
 
-def test_a_store_used_before_fork_works_in_the_forked_child(tmp_path, url):
+def test_a_store_used_before_fork_makes_its_own_client_in_the_forked_child(tmp_path, url):
     mmcache.build_cache(big_folder(tmp_path / "src", n=2), tmp_path / "cache", workers=0)
     mmcache.push_cache(tmp_path / "cache", url, chunk_bytes=MIB)
     store = open_store(url)
     assert json.loads(store.get(REMOTE_NAME) or b"")  # its connection pool is open now
+    parents = getattr(store, CLIENT[url.split(":")[0]])()
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    child = ctx.Process(target=_pull_in_child, args=(store, url, tmp_path / "local", out))
+    child = ctx.Process(target=_pull_in_child, args=(store, url, tmp_path / "local", out, parents))
     child.start()
     child.join(120)
-    assert child.exitcode == 0 and out.get(timeout=5) == 2
+    # A client of its own (the parent's pooled sockets are not shared), and it works.
+    assert child.exitcode == 0 and out.get(timeout=5) == (True, 2)
     assert store.get(REMOTE_NAME) is not None  # and the parent's still works
+    assert getattr(store, CLIENT[url.split(":")[0]])() is parents  # made once per process
 
 
 def test_wrong_azure_credentials_are_one_line_without_the_secret(
