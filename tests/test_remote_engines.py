@@ -75,6 +75,7 @@ def test_a_store_reads_ranges_lists_deletes_and_puts_a_large_object_in_parts(url
     store.put("data-0/of-3", memoryview(b"xyz"))  # a chunk's name holds a "/"
     assert store.get("small") == b"0123456789"
     assert store.get("small", 2, 5) == b"234"
+    assert store.get("small", 0, 4) == b"0123"
     assert store.get("small", 8, 20) == b"89"  # past the end: what there is
     assert store.get("small", 7) == b"789"
     assert store.get("missing") is None
