@@ -114,14 +114,10 @@ def test_a_store_with_no_server_behind_it_is_retried_then_named(scheme, monkeypa
             call(open_store(url, retry_seconds=1))
 
 
-# The method that gives a store this process's client (a bucket or container client over it).
-CLIENT = {"gs": "bucket", "az": "container"}
-
-
 def _pull_in_child(store, url, dest, out, parents):
     from mmcache.remote.pull import pull_cache
 
-    own = getattr(store, CLIENT[url.split(":")[0]])()
+    own = store.client()
     assert store.get(REMOTE_NAME) is not None  # the parent's store object, used after fork
     out.put((own is not parents, pull_cache(url, dest).fetched_records))
 
@@ -131,7 +127,7 @@ def test_a_store_used_before_fork_makes_its_own_client_in_the_forked_child(tmp_p
     mmcache.push_cache(tmp_path / "cache", url, chunk_bytes=MIB)
     store = open_store(url)
     assert json.loads(store.get(REMOTE_NAME) or b"")  # its connection pool is open now
-    parents = getattr(store, CLIENT[url.split(":")[0]])()
+    parents = store.client()
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_pull_in_child, args=(store, url, tmp_path / "local", out, parents))
@@ -140,7 +136,7 @@ def test_a_store_used_before_fork_makes_its_own_client_in_the_forked_child(tmp_p
     # A client of its own (the parent's pooled sockets are not shared), and it works.
     assert child.exitcode == 0 and out.get(timeout=5) == (True, 2)
     assert store.get(REMOTE_NAME) is not None  # and the parent's still works
-    assert getattr(store, CLIENT[url.split(":")[0]])() is parents  # made once per process
+    assert store.client() is open_store(url).client() is parents  # one per process
 
 
 def test_wrong_azure_credentials_are_one_line_without_the_secret(

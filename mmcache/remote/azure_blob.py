@@ -5,16 +5,15 @@ and its credentials come from the variables Azure's tools read: ``AZURE_STORAGE_
 (which names the endpoint too, as Azurite's does), else ``AZURE_STORAGE_ACCOUNT_NAME`` (or
 ``AZURE_STORAGE_ACCOUNT``) with ``AZURE_STORAGE_ACCOUNT_KEY`` (or ``AZURE_STORAGE_KEY``), or with
 ``AZURE_STORAGE_SAS_TOKEN``, or alone with azure-identity installed (its DefaultAzureCredential: a
-managed identity, ``az login``, a service principal's ``AZURE_CLIENT_*``). As for ``s3://``, a
-client is made in the process that uses it: its pooled connections must not be shared with a
-forked child.
+managed identity, ``az login``, a service principal's ``AZURE_CLIENT_*``). As for ``s3://``, one
+client per process and environment is shared by every store (``stores.process_client``): a
+forked child makes its own.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import threading
 from typing import Any
 
 import requests
@@ -29,7 +28,7 @@ from azure.core.exceptions import (
 from azure.storage.blob import BlobServiceClient
 
 from ..errors import RemoteAccessError, RemoteError
-from .stores import Location, Transient, retried
+from .stores import Location, Transient, process_client, retried
 
 # Objects larger than this are uploaded as blocks of PART_BYTES (one request takes up to
 # 5,000 MiB, but a block that fails is retried alone); a read of up to READ_BYTES is one GET.
@@ -51,9 +50,6 @@ class AzureStore:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds
-        self._lock = threading.Lock()
-        self._container: Any = None
-        self._pid = -1
 
     def __reduce__(self) -> tuple[Any, ...]:  # a worker process makes its own client
         return (AzureStore, (self.where, self.retry_seconds))
@@ -61,14 +57,15 @@ class AzureStore:
     def _key(self, key: str) -> str:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
 
+    def client(self) -> BlobServiceClient:
+        """This process's client for the environment as it is now (``process_client``)."""
+        # (the sizes it is made with are part of what it is made for: a test lowers them)
+        made_for = ("az", MULTIPART_BYTES, PART_BYTES, READ_BYTES, POOL)
+        return process_client(made_for, ("AZURE_",), self._service)
+
     def container(self) -> Any:
-        """This process's container client (made on first use in each process)."""
-        with self._lock:
-            if self._pid != os.getpid():
-                service = self._service()
-                self._container = service.get_container_client(self.where.bucket)
-                self._pid = os.getpid()
-            return self._container
+        """The container, through this process's client (a handle: no request)."""
+        return self.client().get_container_client(self.where.bucket)
 
     def _service(self) -> BlobServiceClient:
         session = requests.Session()

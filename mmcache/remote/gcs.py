@@ -5,15 +5,13 @@ standard environment itself. The credentials come from Application Default Crede
 (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the metadata
 server of a GCE/GKE node); no project is needed, as a URL names its bucket. With
 ``STORAGE_EMULATOR_HOST`` set (an emulator, such as fake-gcs-server) the client talks to that
-endpoint without credentials. As for ``s3://``, a client is made in the process that uses it:
-its pooled connections must not be shared with a forked child.
+endpoint without credentials. As for ``s3://``, one client per process and environment is
+shared by every store (``stores.process_client``): a forked child makes its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from typing import Any
 
 import google.api_core.exceptions as gexc
@@ -23,7 +21,7 @@ import requests.adapters
 from google.cloud import storage
 
 from ..errors import RemoteAccessError, RemoteError
-from .stores import Location, Transient, retried
+from .stores import Location, Transient, process_client, retried
 
 # Objects larger than this go as a resumable upload in parts of PART_BYTES (a multiple of
 # 256 KiB, as GCS requires); smaller ones in one request.
@@ -33,6 +31,8 @@ PART_BYTES = 16 << 20
 POOL = 32
 # Seconds to connect, and to wait for each read from the socket.
 TIMEOUT = (10, 60)
+# The environment variables the client reads (a change makes another client).
+ENVIRONMENT = ("GOOGLE_", "STORAGE_EMULATOR_HOST", "API_ENDPOINT_OVERRIDE", "CLOUDSDK_")
 
 
 class GCSStore:
@@ -42,9 +42,6 @@ class GCSStore:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds
-        self._lock = threading.Lock()
-        self._bucket: Any = None
-        self._pid = -1
 
     def __reduce__(self) -> tuple[Any, ...]:  # a worker process makes its own client
         return (GCSStore, (self.where, self.retry_seconds))
@@ -52,27 +49,28 @@ class GCSStore:
     def _key(self, key: str) -> str:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
 
+    def client(self) -> Any:
+        """This process's client for the environment as it is now (``process_client``)."""
+        return process_client("gs", ENVIRONMENT, self._new_client)
+
     def bucket(self) -> Any:
-        """This process's bucket handle, through its client (made on first use in each
-        process)."""
-        with self._lock:
-            if self._pid != os.getpid():
-                try:
-                    # project None: none needed (the default looks for one, and fails
-                    # where the environment names none)
-                    client = storage.Client(project=None)
-                except google.auth.exceptions.DefaultCredentialsError:
-                    raise RemoteAccessError(
-                        f"{self.url}: no credentials found (set GOOGLE_APPLICATION_CREDENTIALS, "
-                        "run gcloud auth application-default login, or use a node's service "
-                        "account)"
-                    ) from None
-                pool = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=POOL)
-                for scheme in ("https://", "http://"):
-                    client._http.mount(scheme, pool)  # its requests session, made here
-                self._bucket = client.bucket(self.where.bucket)
-                self._pid = os.getpid()
-            return self._bucket
+        """The bucket, through this process's client (a handle: no request)."""
+        return self.client().bucket(self.where.bucket)
+
+    def _new_client(self) -> Any:
+        try:
+            # project None: none needed (the default looks for one, and fails where the
+            # environment names none)
+            client = storage.Client(project=None)
+        except google.auth.exceptions.DefaultCredentialsError:
+            raise RemoteAccessError(
+                f"{self.url}: no credentials found (set GOOGLE_APPLICATION_CREDENTIALS, "
+                "run gcloud auth application-default login, or use a node's service account)"
+            ) from None
+        pool = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=POOL)
+        for scheme in ("https://", "http://"):
+            client._http.mount(scheme, pool)  # its requests session, made here
+        return client
 
     def _call(self, key: str, call: Any) -> Any:
         def once() -> Any:

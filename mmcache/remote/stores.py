@@ -11,10 +11,11 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import CacheError, RemoteError
@@ -146,6 +147,29 @@ def open_store(url: str, retry_seconds: float | None = None) -> Store:
             f"{where.url}: needs {e.name}, not installed here: pip install 'mmcache[{extra}]'"
         ) from None
     return engine(where, retry_seconds)
+
+
+# Each engine's clients, by what they are made for, process and environment (``process_client``).
+_CLIENTS: dict[tuple[Hashable, int, tuple[tuple[str, str], ...]], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def process_client(made_for: Hashable, variables: tuple[str, ...], make: Callable[[], T]) -> T:
+    """The client that ``make()`` made in this process for ``made_for`` (an engine's name, and
+    the settings it makes a client with), with the environment variables whose names start with
+    one of ``variables`` as they are now.
+
+    Made on first use in each process: a forked child makes its own (a client's pooled sockets
+    must not be shared by two processes). Then shared by every store and thread of the process
+    (a sparse copy's fill, its read-ahead and its publication each open a store): one pool of
+    connections kept open, and one client made (0.2-0.3 ms of CPU for the GCS and Azure ones).
+    """
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(variables)))
+    key = (made_for, os.getpid(), env)
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = make()
+        return _CLIENTS[key]
 
 
 def retry_time(seconds: float | None) -> float:
