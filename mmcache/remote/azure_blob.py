@@ -46,7 +46,7 @@ TRANSIENT = {408, 429, 500, 502, 503, 504}
 class AzureStore:
     """Objects under ``az://container/prefix``."""
 
-    def __init__(self, where: Location, retry_seconds: float) -> None:
+    def __init__(self, where: Location, retry_seconds: float | None) -> None:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds

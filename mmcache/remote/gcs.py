@@ -38,7 +38,7 @@ ENVIRONMENT = ("GOOGLE_", "STORAGE_EMULATOR_HOST", "API_ENDPOINT_OVERRIDE", "CLO
 class GCSStore:
     """Objects under ``gs://bucket/prefix``."""
 
-    def __init__(self, where: Location, retry_seconds: float) -> None:
+    def __init__(self, where: Location, retry_seconds: float | None) -> None:
         self.where = where
         self.url = where.url
         self.retry_seconds = retry_seconds
