@@ -97,6 +97,22 @@ def test_before_after_times_both_checkouts_in_turns(tmp_path):
     assert "build: before" in run.stdout and "lazy epoch one: before" in run.stdout
 
 
+def test_before_after_runs_both_checkouts_bench_in_turns(tmp_path):
+    repo = str(TOOLS.parent)
+    bench = "--parts segmentation --segmentation-images 4 --segmentation-epochs 2 --workers 0"
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / "before_after.py"), "--before", repo, "--after", repo,
+         "--what", "bench", "--runs", "1", "--bench", bench],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines[:2]] == ["run 1 before", "run 1 after"]
+    assert "segmentation/batch_loader_masks" in lines[0] and "load average" in lines[0]
+    rows = [line for line in lines if line.startswith("  segmentation/")]
+    assert len(rows) == 4 and all(float(row.rsplit(", ", 1)[1]) > 0 for row in rows)
+
+
 def test_the_mutation_tool_mutates_the_named_module_alone_under_its_tests():
     # (mutmut itself is the optional mutation extra, and its runs take minutes: not run here)
     tomllib = pytest.importorskip("tomllib")
