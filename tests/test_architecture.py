@@ -228,3 +228,15 @@ def test_no_module_or_function_is_too_long_to_read():
                 if length > MAX_FUNCTION_LINES:
                     offences.append(f"{rel}:{node.lineno}: {node.name}, {length} lines")
     assert offences == []
+
+
+def test_no_tool_over_700_lines_and_the_readme_within_250():
+    """The tools are read as examples, under the package's limit; the README is the front
+    page, each guide behind it a line there (docs/)."""
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in sorted((ROOT / "tools").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert long == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
