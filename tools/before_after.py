@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         after = statistics.median(times["after", what])
         print(f"{label}: before {before:.3f} s, after {after:.3f} s, after / before "
               f"{after / before:.3f} (median of {args.runs} runs in turns)")  # fmt: skip
-    print("reproduce: python tools/before_after.py " + " ".join(sys.argv[1:] if argv is None
-                                                              else argv))  # fmt: skip
+    # (quoted: --bench's value is several words)
+    print("reproduce: python tools/before_after.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                  else argv))  # fmt: skip
     return 0
 
 
