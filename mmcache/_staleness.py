@@ -233,13 +233,19 @@ def rebuild_advice(m: fmt.Manifest) -> str:
 
 
 def recorded_source(m: fmt.Manifest) -> str:
-    """The folder or list file a cache was made from."""
-    return str(m.source.get("list_file") if m.source.get("kind") == "list" else m.source["root"])
+    """The folder or list file a cache was made from: its list file where its kind records
+    one (``Source.path_keys``), else its root."""
+    return str(m.source["list_file"] if _given_as_list(m.source["kind"]) else m.source["root"])
 
 
 def source_of(listing: Listing) -> str:
     """The folder or list file ``listing`` comes from, as a manifest records it."""
-    return str(listing.list_file if listing.kind == "list" else listing.root)
+    return str(listing.list_file if _given_as_list(listing.kind) else listing.root)
+
+
+def _given_as_list(kind: str) -> bool:
+    """Whether a source of ``kind`` is given as a list file (asked of the kind, by its name)."""
+    return "list_file" in SOURCES[kind].path_keys
 
 
 def _diff_summary(files: fmt.CacheFiles, listing: Listing) -> str:

@@ -113,7 +113,8 @@ class MixedShapesError(CacheError, ValueError):
 
 
 class StateMismatchError(CacheError, ValueError):
-    """A saved loader or sampler state is of another run: another seed, dataset or order."""
+    """A saved loader or sampler state is of another run (another seed, dataset or order), or
+    records no dataset or order to check it by."""
 
 
 class BadImageWarning(UserWarning):

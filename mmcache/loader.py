@@ -317,13 +317,12 @@ class BatchLoader:
         settings). A cache refreshed since (made from the same source with the same options:
         ``mmcache build`` before each run) is accepted with a ``UserWarning``: the epoch goes on
         from the state's batch in the refreshed cache's order, so it may repeat or skip a few
-        images. A state saved by an older mmcache, which recorded no dataset and order, is
-        accepted with a ``UserWarning`` saying they were not checked.
+        images. A state that records no dataset or order is refused.
 
         Raises:
             ValueError: ``state`` is not a BatchLoader's.
             StateMismatchError: ``state`` is of another batch size, seed, dataset or order,
-                named with both values.
+                named with both values, or records no dataset or order.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a BatchLoader state (version {STATE_VERSION}): {state!r}")

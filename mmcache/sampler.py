@@ -188,8 +188,7 @@ class QuasiRandomSampler(Sampler[int]):
 
         Raises:
             StateMismatchError: ``state`` is of another seed, dataset or order settings (its
-                order would not be this one's); a state saved before the dataset and order
-                were recorded is accepted with a warning.
+                order would not be this one's), or records no dataset or order.
         """
         check_resume("QuasiRandomSampler", state, self._identity())
         self.set_epoch(int(state["epoch"]))
@@ -310,23 +309,21 @@ def order_identity(sampler: Any) -> dict[str, Any]:
 def check_resume(owner: str, state: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume from ``state`` a run whose ``current`` seed, dataset or order differ.
 
-    A key of ``current`` missing from ``state`` (a state saved by an older mmcache, which did
-    not record it) is not checked, with one warning naming what was not: refusing would make
-    checkpoints saved before the upgrade unusable.
+    A state that records no value for a key of ``current`` (saved by a development version
+    of mmcache that did not record it) is refused: what it would resume could not be checked.
 
     Raises:
-        StateMismatchError: naming what differs, the state's value and this run's.
+        StateMismatchError: naming what differs, the state's value and this run's, or what
+            the state does not record.
     """
     missing = [key for key in current if key not in state]
     if missing:
-        warnings.warn(
-            f"{owner}.load_state_dict: the state records no {' or '.join(missing)} (it was "
-            "saved by an older mmcache): resuming without checking that they are this run's",
-            UserWarning,
-            stacklevel=3,
+        raise StateMismatchError(
+            f"{owner}.load_state_dict: the state records no {' or '.join(missing)}, so it "
+            "cannot be checked to be this run's; start the epoch afresh without load_state_dict"
         )
     for key, value in current.items():
-        saved = state.get(key, value)
+        saved = state[key]
         if key == "dataset" and _same_records(saved, value):
             continue
         if key == "dataset" and _refreshed(saved, value):

@@ -176,6 +176,39 @@ def test_layout_names_are_compared_in_the_layout_module_only():
     assert offences == []
 
 
+def _compares_source_kinds(node: ast.Compare) -> bool:
+    """Whether a comparison branches on a source kind's name: a ``kind`` value against a
+    built-in kind's name, or anything against a table of kinds (``ARCHIVE_KINDS``)."""
+    sides = [node.left, *node.comparators]
+    texts = [ast.unparse(side) for side in sides]
+    if any(re.search(r"\b\w*_KINDS\b", text) for text in texts):
+        return True
+    named = any(
+        isinstance(side, ast.Constant) and side.value in SOURCE_KIND_NAMES for side in sides
+    )
+    return named and any(re.search(r"kind", text) for text in texts)
+
+
+SOURCE_KIND_NAMES = {"folder", "list", "tar", "webdataset", "zip"}
+
+
+def test_source_kinds_are_compared_in_the_sources_package_only():
+    """A new source kind is one object in ``mmcache/sources/``'s table: nothing outside the
+    package branches on a kind's name (``source["kind"] == "tar"``), it asks the kind."""
+    from mmcache.sources import SOURCES
+
+    assert set(SOURCES) == SOURCE_KIND_NAMES
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "sources":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and _compares_source_kinds(node):
+                offences.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert offences == []
+
+
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
 
@@ -195,3 +228,15 @@ def test_no_module_or_function_is_too_long_to_read():
                 if length > MAX_FUNCTION_LINES:
                     offences.append(f"{rel}:{node.lineno}: {node.name}, {length} lines")
     assert offences == []
+
+
+def test_no_tool_over_700_lines_and_the_readme_within_250():
+    """The tools are read as examples, under the package's limit; the README is the front
+    page, each guide behind it a line there (docs/)."""
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in sorted((ROOT / "tools").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert long == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

@@ -97,6 +97,42 @@ def test_before_after_times_both_checkouts_in_turns(tmp_path):
     assert "build: before" in run.stdout and "lazy epoch one: before" in run.stdout
 
 
+def test_before_after_runs_both_checkouts_bench_in_turns(tmp_path):
+    repo = str(TOOLS.parent)
+    bench = "--parts segmentation --segmentation-images 4 --segmentation-epochs 2 --workers 0"
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / "before_after.py"), "--before", repo, "--after", repo,
+         "--what", "bench", "--runs", "1", "--bench", bench],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines[:2]] == ["run 1 before", "run 1 after"]
+    assert "segmentation/batch_loader_masks" in lines[0] and "load average" in lines[0]
+    rows = [line for line in lines if line.startswith("  segmentation/")]
+    assert len(rows) == 4 and all(float(row.rsplit(", ", 1)[1]) > 0 for row in rows)
+
+
+def test_before_after_times_each_path_s_cpu_per_image_over_each_checkout_s_caches(tmp_path):
+    from mmcache.sample_data import make_segmentation_set
+
+    images, masks = make_segmentation_set(tmp_path / "seg", images=4, size=(48, 64))
+    repo = str(TOOLS.parent)
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / "before_after.py"), "--before", repo, "--after", repo,
+         "--what", "cpu", "--runs", "2", "--source", str(images), "--masks", str(masks)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines[:4]] == [
+        "run 1 before", "run 1 after", "run 2 after", "run 2 before"
+    ]  # fmt: skip
+    rows = [line.split(":")[0].strip() for line in lines if line.startswith("  ")]
+    assert rows == ["dataset_crop", "batch_loader_crop", "batch_loader_views",
+                    "batch_loader_crop_yuv420", "batch_loader_crop_masks"]  # fmt: skip
+
+
 def test_the_mutation_tool_mutates_the_named_module_alone_under_its_tests():
     # (mutmut itself is the optional mutation extra, and its runs take minutes: not run here)
     tomllib = pytest.importorskip("tomllib")

@@ -229,16 +229,20 @@ def test_resume_into_another_run_is_refused_naming_what_differs(cache, ds, tmp_p
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
 
 
-def test_a_state_saved_before_the_dataset_and_order_were_recorded_resumes_with_a_warning(ds):
-    whole = epoch(_loader(ds, shuffle=True, seed=3))
+def test_a_state_that_records_no_dataset_or_order_is_refused(ds):
     state = _saved(_loader(ds, shuffle=True, seed=3))
     del state["dataset"], state["order"]
-    resumed = _loader(ds, shuffle=True, seed=3)
-    with pytest.warns(UserWarning, match="records no dataset or order"):
-        resumed.load_state_dict(state)
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(epoch(resumed), whole[2:], strict=True))
-    with pytest.warns(UserWarning), pytest.raises(StateMismatchError, match="another seed"):
-        _loader(ds, shuffle=True, seed=4).load_state_dict(state)  # the seed is checked
+    with pytest.raises(StateMismatchError, match="records no dataset or order, so it") as e:
+        _loader(ds, shuffle=True, seed=3).load_state_dict(state)
+    assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
+    state = _saved(_loader(ds, shuffle=True, seed=3))
+    del state["order"]
+    with pytest.raises(StateMismatchError, match="BatchLoader.load_state_dict: .* no order,"):
+        _loader(ds, shuffle=True, seed=3).load_state_dict(state)
+    sampler_state = QuasiRandomSampler(ds, seed=1, block_size=4).state_dict()
+    del sampler_state["dataset"]
+    with pytest.raises(StateMismatchError, match="QuasiRandomSampler.* records no dataset,"):
+        QuasiRandomSampler(ds, seed=1, block_size=4).load_state_dict(sampler_state)
 
 
 def test_a_quasi_random_sampler_refuses_another_run_s_state(ds):
