@@ -126,8 +126,11 @@ def test_a_record_cut_off_the_data_file_is_named_by_its_number_however_it_is_rea
     ds = MemmapImageDataset(cache)
     reader = ds.reader
     reader.mapping()
+    before = ds[0][0].copy()
     data, offset, n = _record_span(cache, 3)
+    assert offset >= sum(_record_span(cache, i)[2] for i in range(3))  # records 0-2 before
     os.truncate(data, offset + n - 1)
+    assert np.array_equal(ds[0][0], before)  # a record the file still holds reads
     expected = (
         f"{data}: record 3 is cut short: the file was truncated after the cache was opened; "
         "rebuild the cache"
