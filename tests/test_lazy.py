@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -455,7 +457,13 @@ def test_a_full_disk_raises_and_leaves_the_record_empty(src, tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fmt.os, "pwrite", full)  # the format writes the pixels
-    with pytest.raises(InsufficientSpaceError, match="disk is full"):
+    cache = tmp_path / "cache"
+    size = json.loads((cache / fmt.MANIFEST_NAME).read_text())["sizes"]["data"]
+    expected = (
+        f"{cache}: the disk is full ({os.strerror(errno.ENOSPC)}); free {size:,} bytes for the "
+        "whole cache, or build it elsewhere"
+    )
+    with pytest.raises(InsufficientSpaceError, match=f"^{re.escape(expected)}$"):
         ds[0]
     monkeypatch.undo()
     assert _codes(tmp_path / "cache")[0] == fmt.EMPTY
