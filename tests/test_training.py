@@ -402,6 +402,44 @@ def test_normalised_batches_on_the_cpu(ds):
             assert torch.allclose(x.double(), want, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalised_batches_are_bit_for_bit_the_formula_in_their_dtype(ds, dtype):
+    """``(x - 255 mean) / (255 std)`` in the batch's dtype, the constants scaled in float64 and
+    rounded to it once, against numpy; mean and std given in any shape of 3 values (a (1, 3)
+    float32 array, a (3, 1, 1) tensor as torchvision code keeps them)."""
+    mean = np.array([[0.485, 0.456, 0.406]], np.float32)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    crop = CenterResizedCrop(32)
+    plain = BatchLoader(ds, 5, shuffle=False, crop=crop)
+    normed = BatchLoader(ds, 5, shuffle=False, crop=crop, normalize=(mean, std), dtype=dtype)
+    as_np = np.float32 if dtype == torch.float32 else np.float64
+    m = (mean.astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
+    s = (std.numpy().astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
+    for (u8, _), (x, _) in zip(epoch(plain), epoch(normed), strict=True):
+        want = (u8.numpy().transpose(0, 3, 1, 2).astype(as_np) - m) / s
+        assert x.dtype == dtype and np.array_equal(x.numpy(), want)
+
+
+THREE = (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("mean", "std"),
+    [((0.5, 0.5), THREE), (THREE, (0.5, 0.5)), (THREE, (0.5, 0.0, 0.5)), (THREE, (0.5, 0.5, -1.0))],
+)
+def test_a_normalisation_other_than_3_means_and_3_positive_stds_is_refused(ds, mean, std):
+    with pytest.raises(ValueError) as refused:
+        BatchLoader(ds, 5, normalize=(mean, std))
+    assert str(refused.value) == (
+        f"normalize must be (mean, std) of 3 values each, std > 0, got {(mean, std)!r}"
+    )
+
+
+def test_a_normalisation_into_integers_is_refused(ds):
+    with pytest.raises(ValueError, match=r"^dtype must be a float type, got torch\.int32$"):
+        BatchLoader(ds, 5, normalize=(THREE, THREE), dtype=torch.int32)
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_device_batches_are_normalised_as_the_cpu_ring_s(channels_last):
     """A CUDA batch is normalised into a new tensor, a CPU one into the ring's buffer: the same
