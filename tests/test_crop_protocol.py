@@ -125,3 +125,34 @@ def test_a_box_outside_its_image_stops_the_iteration_with_its_box(cache):
     with pytest.raises(ValueError, match=r"a box must lie inside its image"):
         for _ in loader:
             pass
+
+
+class WrongBoxes(TopLeftCrop):
+    """Gives what ``make`` makes of the right boxes: another dtype or shape."""
+
+    def __init__(self, size, make) -> None:
+        super().__init__(size)
+        self.make = make
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        return self.make(super().boxes(shapes, uniforms))
+
+
+@pytest.mark.parametrize(
+    ("make", "found"),
+    [
+        (lambda b: b.astype(np.float32), "float32 (2, 4)"),  # the right shape, not integers
+        (lambda b: b[:, :3], "int64 (2, 3)"),  # integers, not 4 a box
+        (lambda b: b[:1], "int64 (1, 4)"),  # a box short
+        (lambda b: b.astype(np.float64)[:, :3], "float64 (2, 3)"),  # neither
+    ],
+)
+def test_boxes_that_are_not_an_n_by_4_int_array_stop_the_iteration_in_one_line(cache, make, found):
+    crop = WrongBoxes((4, 4), make)
+    loader = BatchLoader(MemmapImageDataset(cache), 2, crop=crop, shuffle=False)
+    with pytest.raises(ValueError) as refused:
+        next(iter(loader))
+    assert str(refused.value) == (
+        f"{crop!r}.boxes gave an array of {found} for 2 records: it must give an N x 4 int "
+        "array (top, left, height, width)"
+    )
