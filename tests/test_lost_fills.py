@@ -89,6 +89,8 @@ def test_a_filler_file_gone_while_looked_at_is_not_lost(tmp_path, monkeypatch):
         return opened(path)
 
     monkeypatch.setattr(filler, "open_for_reading", finishing)
+    listdir = os.listdir  # the gone one listed first, whatever the file system's order
+    monkeypatch.setattr(filler.os, "listdir", lambda path: sorted(listdir(path)))
     assert filler.lost_fill_markers(folder) == [other]
 
 
