@@ -144,3 +144,21 @@ def test_a_record_cut_off_the_data_file_is_named_by_its_number_however_it_is_rea
     with open(data, "rb") as f:
         f.seek(offset + n - 5)
         assert out.tobytes() == f.read(4)
+
+
+def test_the_mapping_holds_the_generation_s_bytes_not_those_a_writer_appends(src, tmp_path):
+    """A writer appends past the records a generation publishes (and a stopped one's tail is
+    cut off again): the mapping is the manifest's data size, and the file cut back to it is not
+    cut short."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    size = _manifest(cache)["sizes"]["data"]
+    data = cache / _manifest(cache)["files"]["data"]
+    with open(data, "ab") as f:
+        f.write(bytes(4096))
+    reader = MemmapImageDataset(cache).reader
+    assert len(reader.mapping()) == size
+    os.truncate(data, size)
+    assert not reader.cut_short()
+    os.truncate(data, size - 1)
+    assert reader.cut_short()
