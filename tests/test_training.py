@@ -384,6 +384,28 @@ def test_no_pixel_buffer_is_allocated_per_batch(ds):
     assert grown < batch_bytes  # bookkeeping only, never a batch's worth of pixels
 
 
+@pytest.mark.parametrize(
+    ("first", "n", "spanned"),
+    [(0, 5, [0]), (5110, 10, [4]), (5115, 10, [4, 5]), (3000, 2049, [2, 3, 4])],
+)
+def test_a_batch_s_numbers_are_its_positions_rows_of_its_blocks_draws_and_no_others(
+    first, n, spanned
+):
+    """Each block of 1,024 positions has a generator of its own, keyed (seed, epoch, rank,
+    block): a batch's numbers are its positions' rows of its blocks' draws (numpy's generator
+    here, not the loader's code), and a batch late in an epoch draws only the blocks it spans,
+    not the epoch before it."""
+    from mmcache import _batches
+    from mmcache.transforms import DRAWS
+
+    key = (7, 3, 1)
+    blocks = [np.random.default_rng([*key, b]).random((1024, DRAWS)) for b in spanned]
+    want = np.concatenate(blocks)[first - spanned[0] * 1024 :][:n]
+    scratch = _batches.Scratch()
+    assert np.array_equal(_batches.uniforms(key, first, n, scratch), want)
+    assert sum(b.nbytes for b in scratch.buffers.values()) == len(spanned) * 1024 * DRAWS * 8
+
+
 def test_normalised_batches_on_the_cpu(ds):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     plain = BatchLoader(ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32))
