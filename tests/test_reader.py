@@ -3,6 +3,7 @@ spawned DataLoader worker opens it; its first-read checks, its messages, the sta
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -162,3 +163,60 @@ def test_the_mapping_holds_the_generation_s_bytes_not_those_a_writer_appends(src
     assert not reader.cut_short()
     os.truncate(data, size - 1)
     assert reader.cut_short()
+
+
+def _open_fds_of(path: Path) -> int:
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve()))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="Linux's /proc")
+def test_a_reader_freed_closes_its_data_file(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    data = cache / _manifest(cache)["files"]["data"]
+    ds = MemmapImageDataset(cache)
+    ds[0]
+    assert _open_fds_of(data) >= 1  # the reader's, and its mapping's (mmap keeps a dup)
+    del ds
+    gc.collect()
+    assert _open_fds_of(data) == 0
+
+
+def test_a_reader_fills_through_one_filler_in_its_process(src, tmp_path):
+    ds = MemmapImageDataset(tmp_path / "cache", source=src)
+    ds[0]
+    filler = ds.reader.filler
+    ds[1]
+    ds[2]
+    assert ds.reader.filler is filler
+    markers = [n for n in os.listdir(tmp_path / "cache") if fmt.is_fill_marker_name(n)]
+    assert len(markers) == 1
+
+
+def test_after_a_reboot_a_reader_checks_each_fill_once(src, tmp_path, monkeypatch):
+    """Another boot's filler file: each FILLED record's CRC-32 is checked at its first read by
+    this reader; one that passes is not decoded again, reads as filled, and is not checked
+    again (a record damaged after its check is this reader's to trust, as with first-read)."""
+    import mmcache._filler as filler_module
+
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    for i in range(len(ds)):
+        ds[i]
+    ds.reader.filler.close()
+    monkeypatch.setattr(filler_module, "boot_id", lambda: "this-boot")
+    (cache / ("filling-" + "0" * 16)).write_bytes(b"another-boot")
+    decoded = []
+    decode = filler_module.decode_record
+    monkeypatch.setattr(
+        filler_module, "decode_record", lambda *a, **k: decoded.append(a[0]) or decode(*a, **k)
+    )
+    after = MemmapImageDataset(cache, source=src)
+    assert not after.reader.filled(np.arange(4)).any()  # none checked yet
+    first = after[1][0].copy()
+    assert after.reader.filled(np.arange(4)).tolist() == [False, True, False, False]
+    assert np.array_equal(after[1][0], first)
+    _damage(cache, 1)
+    after[1]
+    assert decoded == []  # checked once, found whole, never filled again
