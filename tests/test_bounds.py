@@ -184,6 +184,40 @@ def test_batch_loader_verifies_on_first_read_as_ds_does(tmp_path):
     assert np.array_equal(ds[0][0], MemmapImageDataset(cache)[0][0])
 
 
+@pytest.mark.parametrize(
+    ("max_pixels", "shape", "state"),
+    [
+        (64, (9, 8), fmt.BAD_TOO_LARGE),  # 72 pixels
+        (72, (9, 8), fmt.BAD_HEADER_MISMATCH),  # decoded: an 8 x 8 image, not 9 x 8
+        (None, (16384, 16384), fmt.BAD_TOO_LARGE),  # the default bounds it
+        (1 << 40, (16384, 16384), fmt.BAD_TOO_LARGE),  # a limit above the default: capped
+    ],
+)
+def test_a_lazy_record_the_manifest_makes_too_large_is_not_decoded(
+    tmp_path, max_pixels, shape, state
+):
+    """In process (the test above runs in a child, which a mutation pass does not see): the
+    record's shape in the index, not the file, is bounded by the manifest's max_pixels and by
+    the default; a record within them is decoded (here to another size: refused so)."""
+    from mmcache._records import open_reader
+
+    write_image(tmp_path / "src" / "a" / "0.png", 8, 8)
+    cache = tmp_path / "c"
+    create_lazy_cache(tmp_path / "src", cache, size=(8, 8))
+    m = json.loads((cache / fmt.MANIFEST_NAME).read_text())
+    index = np.fromfile(cache / m["files"]["index"], fmt.INDEX_DTYPE)
+    index["height"], index["width"] = shape
+    index.tofile(cache / m["files"]["index"])
+    m["options"]["max_pixels"] = max_pixels
+    m["sizes"]["data"] = shape[0] * shape[1] * 3
+    os.truncate(cache / m["files"]["data"], m["sizes"]["data"])  # sparse
+    (cache / fmt.MANIFEST_NAME).write_text(json.dumps(m))
+    m = reseal(cache)
+    assert open_reader(cache, m["generation"], False).stored_or_none(0) is None
+    states = np.fromfile(cache / m["files"]["state"], fmt.STATE_DTYPE)
+    assert (int(states["crc32"][0]), int(states["state"][0])) == (0, state)
+
+
 def _shard(path: Path, png: bytes) -> None:
     with tarfile.open(path, "w") as tar:
         for name, data in (("k.png", png), ("k.cls", b"0")):

@@ -125,3 +125,77 @@ def test_a_box_outside_its_image_stops_the_iteration_with_its_box(cache):
     with pytest.raises(ValueError, match=r"a box must lie inside its image"):
         for _ in loader:
             pass
+
+
+class WrongBoxes(TopLeftCrop):
+    """Gives what ``make`` makes of the right boxes: another dtype or shape."""
+
+    def __init__(self, size, make) -> None:
+        super().__init__(size)
+        self.make = make
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        return self.make(super().boxes(shapes, uniforms))
+
+
+@pytest.mark.parametrize(
+    ("make", "found"),
+    [
+        (lambda b: b.astype(np.float32), "float32 (2, 4)"),  # the right shape, not integers
+        (lambda b: b[:, :3], "int64 (2, 3)"),  # integers, not 4 a box
+        (lambda b: b[:1], "int64 (1, 4)"),  # a box short
+        (lambda b: b.astype(np.float64)[:, :3], "float64 (2, 3)"),  # neither
+    ],
+)
+def test_boxes_that_are_not_an_n_by_4_int_array_stop_the_iteration_in_one_line(cache, make, found):
+    crop = WrongBoxes((4, 4), make)
+    loader = BatchLoader(MemmapImageDataset(cache), 2, crop=crop, shuffle=False)
+    with pytest.raises(ValueError) as refused:
+        next(iter(loader))
+    assert str(refused.value) == (
+        f"{crop!r}.boxes gave an array of {found} for 2 records: it must give an N x 4 int "
+        "array (top, left, height, width)"
+    )
+
+
+class FixedBox(TopLeftCrop):
+    """Gives every image the box ``make(height, width)``."""
+
+    def __init__(self, size, make) -> None:
+        super().__init__(size)
+        self.make = make
+
+    def boxes(self, shapes: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        return np.array([self.make(int(h), int(w)) for h, w, _ in shapes], np.int64)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda h, w: (-1, 0, 1, 1),  # above the image
+        lambda h, w: (0, -1, 1, 1),  # left of it
+        lambda h, w: (0, 0, 0, 1),  # no rows
+        lambda h, w: (0, 0, 1, 0),  # no columns
+        lambda h, w: (1, 0, h, 1),  # a row past the bottom
+        lambda h, w: (0, 1, 1, w),  # a column past the right edge
+    ],
+    ids=["top", "left", "height", "width", "bottom", "right"],
+)
+def test_each_edge_a_box_crosses_stops_the_iteration_with_the_box_and_its_image(cache, make):
+    crop = FixedBox((4, 4), make)
+    ds = MemmapImageDataset(cache)
+    height, width, _ = ds.read(0).shape  # the first record of the first batch
+    with pytest.raises(ValueError) as refused:
+        next(iter(BatchLoader(ds, 2, crop=crop, shuffle=False)))
+    assert str(refused.value) == (
+        f"{crop!r}.boxes gave the box (top, left, height, width) {list(make(height, width))} "
+        f"for an image of {height} x {width}: a box must lie inside its image, at least 1 x 1"
+    )
+
+
+def test_a_box_on_every_edge_of_its_image_is_inside(cache):
+    """The whole image, and a 1 x 1 box in its bottom right corner."""
+    ds = MemmapImageDataset(cache)
+    for make in (lambda h, w: (0, 0, h, w), lambda h, w: (h - 1, w - 1, 1, 1)):
+        images, _ = next(iter(BatchLoader(ds, 2, crop=FixedBox((4, 4), make), shuffle=False)))
+        assert images.shape == (2, 4, 4, 3)

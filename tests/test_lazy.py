@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -455,7 +457,13 @@ def test_a_full_disk_raises_and_leaves_the_record_empty(src, tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fmt.os, "pwrite", full)  # the format writes the pixels
-    with pytest.raises(InsufficientSpaceError, match="disk is full"):
+    cache = tmp_path / "cache"
+    size = json.loads((cache / fmt.MANIFEST_NAME).read_text())["sizes"]["data"]
+    expected = (
+        f"{cache}: the disk is full ({os.strerror(errno.ENOSPC)}); free {size:,} bytes for the "
+        "whole cache, or build it elsewhere"
+    )
+    with pytest.raises(InsufficientSpaceError, match=f"^{re.escape(expected)}$"):
         ds[0]
     monkeypatch.undo()
     assert _codes(tmp_path / "cache")[0] == fmt.EMPTY
@@ -595,3 +603,40 @@ def test_a_broken_symlink_is_named_as_one_when_read(src, tmp_path):
         ds.read(i)
     with pytest.raises(DecodeError, match=r"gone\.jpg: a broken symbolic link"):  # from its state
         MemmapImageDataset(tmp_path / "cache").read(i)
+
+
+@pytest.mark.parametrize("kind", ["data", "state"])
+def test_a_cache_file_the_user_cannot_write_is_named_when_a_fill_needs_it(
+    src, tmp_path, monkeypatch, kind
+):
+    """A lazy cache on a read-only disk, or of files the user may not write: the first read
+    that fills says which file and why, and what a lazy cache needs; nothing is left open."""
+    from mmcache import DestinationError
+    from mmcache import _filler as filler_module
+
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    name = json.loads((cache / fmt.MANIFEST_NAME).read_text())["files"][kind]
+    opened = filler_module.open_for_writing
+    closed = []
+
+    def refused(path):
+        if path.name == name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        fd = opened(path)
+        closed.append(fd)
+        return fd
+
+    monkeypatch.setattr(filler_module, "open_for_writing", refused)
+    expected = (
+        f"{cache / name}: cannot fill the lazy cache ({os.strerror(errno.EACCES)}); records "
+        "are stored where the cache lies, so its user must be able to write there"
+    )
+    with pytest.raises(DestinationError, match=f"^{re.escape(expected)}$"):
+        ds[0]
+    monkeypatch.undo()
+    for fd in closed:  # the data file, opened before the state file was refused
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert not any(fmt.is_fill_marker_name(n) for n in os.listdir(cache))
+    assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))

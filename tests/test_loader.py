@@ -316,7 +316,8 @@ def test_a_shuffled_order_is_read_without_the_kernel_s_read_ahead(ds, monkeypatc
     assert random_reads == ([str(ds.reader.data_path)] if shuffle else [])
 
 
-def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_path):
+@pytest.mark.parametrize("shuffle", [False, True])  # True: through a descriptor of its own
+def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_path, shuffle):
     shutil.copytree(cache, tmp_path / "cache")
     ds = MemmapImageDataset(tmp_path / "cache")
     ds[0]  # opens and maps the data file
@@ -324,7 +325,7 @@ def test_a_data_file_truncated_under_a_pread_loader_is_a_clear_error(cache, tmp_
     data = tmp_path / "cache" / m["files"]["data"]
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(CacheFormatError, match="is cut short: the file was truncated") as e:
-        list(BatchLoader(ds, 4, read="pread"))
+        list(BatchLoader(ds, 4, read="pread", shuffle=shuffle, seed=0))
     assert str(data) in str(e.value)
 
 

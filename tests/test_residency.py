@@ -268,3 +268,33 @@ def test_a_cache_larger_than_ram_reads_a_record_s_pages_and_no_others(cache, mon
     first, last = off // 4096, (off + n - 1) // 4096
     assert res.resident_bytes(data) <= (last - first + 1) * 4096
     assert res.resident_bytes(data, first * 4096, (last + 1) * 4096) == (last - first + 1) * 4096
+
+
+def test_whether_the_cache_fits_is_looked_at_again_every_two_seconds(cache, monkeypatch):
+    """A cache that fits in the RAM available keeps the kernel's read-around; one that does not
+    is read exactly. The RAM available is looked at again once ``FIT_CHECK_SECONDS`` (2 s) have
+    passed since the last look, not at each read (a clock of the test's own: no waiting)."""
+    from types import SimpleNamespace
+
+    from mmcache import _records as records_module
+
+    assert records_module.FIT_CHECK_SECONDS == 2.0
+    size = MemmapImageDataset(cache).manifest.sizes["data"]
+    available = {"now": size + 1}
+    monkeypatch.setattr(
+        records_module, "memory", lambda: res.Memory(total=1 << 40, available=available["now"])
+    )
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(records_module, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
+    reader = MemmapImageDataset(cache).reader
+    assert reader.reads_exactly() is False  # it fits
+    available["now"] = size - 1
+    clock["now"] = 1001.0
+    assert reader.reads_exactly() is False  # not looked at again yet
+    clock["now"] = 1002.0
+    assert reader.reads_exactly() is True  # 2 s later: it no longer fits
+    available["now"] = size
+    clock["now"] = 1003.5
+    assert reader.reads_exactly() is True
+    clock["now"] = 1004.0
+    assert reader.reads_exactly() is False  # exactly the RAM available: it fits

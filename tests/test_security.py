@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -72,10 +73,10 @@ def victim_file(path: Path, size: int = 100_000) -> bytes:
     return content
 
 
-def given_away(cache: Path, mode: int = 0o644) -> None:
+def given_away(cache: Path, mode: int = 0o644, uid: int = NOBODY) -> None:
     """Make ``cache`` the attacker's, as if they had made it (chown -R 65534)."""
     for p in [cache, *cache.iterdir()]:
-        os.chown(p, NOBODY, NOBODY)
+        os.chown(p, uid, uid)
         p.chmod(0o755 if p.is_dir() else mode)
 
 
@@ -112,6 +113,26 @@ def test_a_fill_never_writes_through_a_hard_link(tmp_path):
     with pytest.raises(UnsafeCacheError, match="2 names"):
         MemmapImageDataset(cache, source=src)[0]
     assert target.read_bytes() == before
+
+
+def test_a_fill_never_writes_through_a_hard_linked_state_file(tmp_path):
+    """As above, the state file: the data file opened for writing first is closed again and
+    the refusal is the one raised (the state file holds what it held, so the cache opens)."""
+    from mmcache import MemmapImageDataset
+
+    src = tiny(tmp_path / "src")
+    cache = tmp_path / "cache"
+    create_lazy_cache(src, cache, workers=0)
+    state = cache / json.loads((cache / fmt.MANIFEST_NAME).read_text())["files"]["state"]
+    target = tmp_path / "victim"
+    target.write_bytes(state.read_bytes())
+    before = target.read_bytes()
+    state.unlink()
+    os.link(target, state)
+    with pytest.raises(UnsafeCacheError, match="2 names"):
+        MemmapImageDataset(cache, source=src)[0]
+    assert target.read_bytes() == before
+    assert not any(data_file(cache).read_bytes())
 
 
 @needs_root
@@ -219,8 +240,11 @@ def test_compact_refuses_a_record_that_fails_its_crc(tmp_path):
 
 
 @needs_root
-def test_a_lazy_cache_of_another_user_decodes_no_private_source(shared):
-    """Why 5: a manifest naming the reader's private folder as its source (confused deputy)."""
+@pytest.mark.parametrize("uid", [NOBODY, 1])
+def test_a_lazy_cache_of_another_user_decodes_no_private_source(shared, uid):
+    """Why 5: a manifest naming the reader's private folder as its source (confused deputy).
+    Any owner but the reader and root is another user (uid 1 too); an unpickled copy of the
+    dataset, as a spawned DataLoader worker has, refuses as well."""
     from mmcache import MemmapImageDataset
 
     private = shared / "private"
@@ -228,12 +252,37 @@ def test_a_lazy_cache_of_another_user_decodes_no_private_source(shared):
     private.chmod(0o700)
     cache = shared / "cache"
     create_lazy_cache(private, cache, workers=0)
-    given_away(cache, mode=0o666)
+    given_away(cache, mode=0o666, uid=uid)
+    expected = (
+        f"{cache}: belongs to uid {uid}, so the source its manifest names "
+        f"({str(private)!r}) is not decoded into it; open the cache with source= set to that "
+        "folder if you trust it, or build a cache of your own"
+    )
     ds = MemmapImageDataset(cache)
-    with pytest.raises(UnsafeCacheError, match="belongs to uid 65534.*source="):
+    copy = pickle.loads(pickle.dumps(ds))
+    with pytest.raises(UnsafeCacheError, match=f"^{re.escape(expected)}$"):
         ds[0]
+    with pytest.raises(UnsafeCacheError, match=f"^{re.escape(expected)}$"):
+        copy[0]
     data = data_file(cache).read_bytes()
     assert not any(data), "a private image was decoded into the attacker's file"
+
+
+@needs_root
+def test_a_lazy_cache_of_another_user_fills_from_the_source_its_opener_names(shared):
+    """``source=`` is the opener's word that the root is theirs to decode: the dataset and an
+    unpickled copy of it (a spawned DataLoader worker's) fill the records from it."""
+    from mmcache import MemmapImageDataset, decode_image
+
+    src = tiny(shared / "src")
+    cache = shared / "cache"
+    create_lazy_cache(src, cache, workers=0)
+    given_away(cache, mode=0o666)
+    ds = MemmapImageDataset(cache, source=src)
+    copy = pickle.loads(pickle.dumps(ds))
+    for i in range(len(ds)):
+        assert np.array_equal(copy[i][0], decode_image(ds.samples[i][0]))
+    assert np.array_equal(ds[0][0], decode_image(ds.samples[0][0]))
 
 
 def test_the_lock_as_a_dangling_link_never_creates_its_target(tmp_path):

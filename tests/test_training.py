@@ -388,6 +388,28 @@ def test_no_pixel_buffer_is_allocated_per_batch(ds):
     assert grown < batch_bytes  # bookkeeping only, never a batch's worth of pixels
 
 
+@pytest.mark.parametrize(
+    ("first", "n", "spanned"),
+    [(0, 5, [0]), (5110, 10, [4]), (5115, 10, [4, 5]), (3000, 2049, [2, 3, 4])],
+)
+def test_a_batch_s_numbers_are_its_positions_rows_of_its_blocks_draws_and_no_others(
+    first, n, spanned
+):
+    """Each block of 1,024 positions has a generator of its own, keyed (seed, epoch, rank,
+    block): a batch's numbers are its positions' rows of its blocks' draws (numpy's generator
+    here, not the loader's code), and a batch late in an epoch draws only the blocks it spans,
+    not the epoch before it."""
+    from mmcache import _batches
+    from mmcache.transforms import DRAWS
+
+    key = (7, 3, 1)
+    blocks = [np.random.default_rng([*key, b]).random((1024, DRAWS)) for b in spanned]
+    want = np.concatenate(blocks)[first - spanned[0] * 1024 :][:n]
+    scratch = _batches.Scratch()
+    assert np.array_equal(_batches.uniforms(key, first, n, scratch), want)
+    assert sum(b.nbytes for b in scratch.buffers.values()) == len(spanned) * 1024 * DRAWS * 8
+
+
 def test_normalised_batches_on_the_cpu(ds):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     plain = BatchLoader(ds, 5, seed=0, shuffle=True, crop=CenterResizedCrop(32))
@@ -404,6 +426,44 @@ def test_normalised_batches_on_the_cpu(ds):
             want = want / torch.tensor(std).view(1, 3, 1, 1)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             assert torch.allclose(x.double(), want, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalised_batches_are_bit_for_bit_the_formula_in_their_dtype(ds, dtype):
+    """``(x - 255 mean) / (255 std)`` in the batch's dtype, the constants scaled in float64 and
+    rounded to it once, against numpy; mean and std given in any shape of 3 values (a (1, 3)
+    float32 array, a (3, 1, 1) tensor as torchvision code keeps them)."""
+    mean = np.array([[0.485, 0.456, 0.406]], np.float32)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    crop = CenterResizedCrop(32)
+    plain = BatchLoader(ds, 5, shuffle=False, crop=crop)
+    normed = BatchLoader(ds, 5, shuffle=False, crop=crop, normalize=(mean, std), dtype=dtype)
+    as_np = np.float32 if dtype == torch.float32 else np.float64
+    m = (mean.astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
+    s = (std.numpy().astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
+    for (u8, _), (x, _) in zip(epoch(plain), epoch(normed), strict=True):
+        want = (u8.numpy().transpose(0, 3, 1, 2).astype(as_np) - m) / s
+        assert x.dtype == dtype and np.array_equal(x.numpy(), want)
+
+
+THREE = (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("mean", "std"),
+    [((0.5, 0.5), THREE), (THREE, (0.5, 0.5)), (THREE, (0.5, 0.0, 0.5)), (THREE, (0.5, 0.5, -1.0))],
+)
+def test_a_normalisation_other_than_3_means_and_3_positive_stds_is_refused(ds, mean, std):
+    with pytest.raises(ValueError) as refused:
+        BatchLoader(ds, 5, normalize=(mean, std))
+    assert str(refused.value) == (
+        f"normalize must be (mean, std) of 3 values each, std > 0, got {(mean, std)!r}"
+    )
+
+
+def test_a_normalisation_into_integers_is_refused(ds):
+    with pytest.raises(ValueError, match=r"^dtype must be a float type, got torch\.int32$"):
+        BatchLoader(ds, 5, normalize=(THREE, THREE), dtype=torch.int32)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
