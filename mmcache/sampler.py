@@ -511,9 +511,10 @@ class ReadAhead:
         try:
             while not self.stopped and (request := self.requests.get()) is not None:
                 what, b = request
+                records = self._records(b)
                 if what == "read" and self.fill is not None:
-                    self.fill(self._records(b), lambda: self.stopped)
-                for offset, length in self._runs(b):
+                    self.fill(records, lambda: self.stopped)
+                for offset, length in _runs(records, self.offsets, self.sizes):
                     if self.stopped:
                         return
                     if what == "drop":
@@ -541,9 +542,6 @@ class ReadAhead:
         """Buffer ``b``'s records, sorted."""
         end = self.starts[b + 1] if b + 1 < len(self.starts) else len(self.order)
         return np.sort(self.order[self.starts[b] : end])
-
-    def _runs(self, b: int) -> list[tuple[int, int]]:
-        return _runs(self._records(b), self.offsets, self.sizes)
 
     def _warn(self, room: float) -> None:
         if not self.warned:

@@ -9,8 +9,6 @@ interleave with the parent's on one connection.
 
 from __future__ import annotations
 
-import os
-import threading
 from contextlib import suppress
 from typing import Any
 
@@ -19,7 +17,7 @@ import botocore.config
 import botocore.exceptions
 
 from ..errors import RemoteAccessError, RemoteError
-from .stores import Location, Transient, retried
+from .stores import Location, Transient, process_client, retried
 
 # Objects larger than this are uploaded in parts of PART_BYTES (S3 takes one PUT up to 5 GiB,
 # but a part that fails is retried alone).
@@ -39,29 +37,15 @@ REFUSED_CODES = {
 }  # fmt: skip
 
 
-# One client per process and AWS_* environment, shared by every store (and thread) of that
-# process: making one costs tenths of a second of CPU (a sparse copy's fill, its read-ahead
-# and its publication each had their own).
-_CLIENTS: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def shared_client() -> Any:
-    """This process's boto3 S3 client for the ``AWS_*`` variables as they are now (made on
-    first use in each process: a forked child makes its own)."""
-    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-    key = (os.getpid(), aws)
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.get(key)
-        if client is None:
-            config = botocore.config.Config(
-                max_pool_connections=POOL,
-                connect_timeout=10,
-                read_timeout=60,
-                retries={"total_max_attempts": 1},  # ``retried`` retries, for longer
-            )
-            client = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
-        return client
+def new_client() -> Any:
+    """A boto3 S3 client from the standard chain (one per process: ``process_client``)."""
+    config = botocore.config.Config(
+        max_pool_connections=POOL,
+        connect_timeout=10,
+        read_timeout=60,
+        retries={"total_max_attempts": 1},  # ``retried`` retries, for longer
+    )
+    return boto3.session.Session().client("s3", config=config)
 
 
 class S3Store:
@@ -79,8 +63,9 @@ class S3Store:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
 
     def client(self) -> Any:
-        """This process's client for the environment as it is now (see ``shared_client``)."""
-        return shared_client()
+        """This process's client for the ``AWS_*`` variables as they are now: one per process
+        and environment, shared by every store (making one costs tenths of a second of CPU)."""
+        return process_client("s3", ("AWS_",), new_client)
 
     def _call(self, what: str, key: str, **kwargs: Any) -> Any:
         def once() -> Any:
