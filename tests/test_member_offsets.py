@@ -324,6 +324,7 @@ ZIP_PLACES = {
     "another stored length": ({}, {"length": 2047}, False),
     "another inflated size": ({"sizes": (_CRC, 2048, 2047)}, {}, False),
     "another CRC-32": ({}, {"crc": _CRC ^ 1}, False),
+    "a recorded CRC-32 of 0": ({}, {"crc": 0}, False),
     "no CRC-32 recorded": ({"sizes": (0, 2048, 2048)}, {"crc": -1}, True),
     "flag bits 0 to 2 are not a descriptor": ({"flags": 0x07}, {"length": 2047}, False),
     "a descriptor, stored": ({**_LATE, "method": 0}, {"length": 10**9}, True),
