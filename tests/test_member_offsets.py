@@ -4,8 +4,10 @@ the place still holds it, list the archive when it changed, and refuse a file th
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -282,3 +284,72 @@ def test_a_cache_without_the_file_or_with_another_generation_s_lists_the_archive
         reseal(cache)
         assert fmt.read_manifest(cache).members is None
         assert all(map(np.array_equal, _pixels(cache), _pixels(tmp_path / "ref")))
+
+
+def _local_header(name: bytes, data: bytes, flags: int, method: int, sizes: tuple) -> bytes:
+    """A zip local header written by hand (APPNOTE 4.3.7: signature, version, flags, method,
+    time, date, CRC-32, stored and inflated sizes, name and extra lengths), its name, a 4-byte
+    extra field, then ``data``."""
+    crc, stored, inflated = sizes
+    fixed = struct.pack("<HHHHHIIIHH", 20, flags, method, 0, 0, crc, stored, inflated,
+                        len(name), 4)  # fmt: skip
+    return b"PK\x03\x04" + fixed + name + b"\xfe\xca\0\0" + data
+
+
+_DATA = bytes(range(256)) * 8  # 2,048 bytes, the member's as stored
+_CRC = zlib.crc32(_DATA)
+_BOUND = 2048 + 2 + 64  # the most a deflated member of 2,048 bytes may be stored in (zlib)
+_PLAIN = {"name": b"cat/a.png", "flags": 0, "method": 0, "sizes": (_CRC, 2048, 2048)}
+_LATE = {"flags": 0x08, "method": 8, "sizes": (0, 0, 0)}  # sizes in a data descriptor
+_ZIP64 = {"method": 8, "sizes": (_CRC, 0xFFFFFFFF, 0xFFFFFFFF)}
+_DEFLATED = {"method": 8, "crc": _CRC, "name": "cat/a.png"}
+# (the local header's fields, the member's address as recorded, what zip_holds answers)
+ZIP_PLACES = {
+    "as listed": ({}, {}, True),
+    "its name with ./ and //": ({"name": b"./cat//a.png"}, {}, True),
+    "its name cut at its first NUL": ({"name": b"cat/a.png\0tail\0end"}, {}, True),
+    "another name": ({}, {"name": "cat/b.png"}, False),
+    "a name one folder down": ({}, {"name": "x/cat/a.png"}, False),
+    "UTF-8 by its flag": ({"name": "cat/é.png".encode(), "flags": 0x800}, {"name": "cat/é.png"},
+                          True),
+    "bad UTF-8 replaced": ({"name": b"cat/\xff.png", "flags": 0x800}, {"name": "cat/\ufffd.png"},
+                           True),
+    "cp437 without it": ({"name": "cat/é.png".encode(), "flags": 0x07},
+                         {"name": "cat/\u251c\u2310.png"}, True),
+    "cp437 is not UTF-8": ({"name": "cat/é.png".encode()}, {"name": "cat/é.png"}, False),
+    "another method": ({}, {"method": 8}, False),
+    "another data offset": ({}, {"offset": 1}, False),
+    "not a local header": ({"magic": b"PK\x01\x02"}, {}, False),
+    "a header cut short": ({"cut": 29}, {}, False),
+    "another stored length": ({}, {"length": 2047}, False),
+    "another inflated size": ({"sizes": (_CRC, 2048, 2047)}, {}, False),
+    "another CRC-32": ({}, {"crc": _CRC ^ 1}, False),
+    "a recorded CRC-32 of 0": ({}, {"crc": 0}, False),
+    "no CRC-32 recorded": ({"sizes": (0, 2048, 2048)}, {"crc": -1}, True),
+    "flag bits 0 to 2 are not a descriptor": ({"flags": 0x07}, {"length": 2047}, False),
+    "a descriptor, stored": ({**_LATE, "method": 0}, {"length": 10**9}, True),
+    "a descriptor, at deflate's bound": (_LATE, {**_DEFLATED, "length": _BOUND}, True),
+    "a descriptor, past it": (_LATE, {**_DEFLATED, "length": _BOUND + 1}, False),
+    "zip64 sizes, at the bound": (_ZIP64, {**_DEFLATED, "length": _BOUND}, True),
+    "zip64 sizes, past it": (_ZIP64, {**_DEFLATED, "length": _BOUND + 1}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ZIP_PLACES))
+def test_a_zip_place_holds_the_member_its_local_header_describes(tmp_path, case):
+    from mmcache.sources.members import MemberAddress
+    from mmcache.sources.zip_archive import zip_holds
+
+    fields, changes, expected = ZIP_PLACES[case]
+    header = {**_PLAIN, **{k: v for k, v in fields.items() if k in _PLAIN}}
+    blob = b"junk" + _local_header(data=_DATA, **header)
+    blob = fields.get("magic", b"PK\x03\x04").join(blob.split(b"PK\x03\x04", 1))
+    path = tmp_path / "a.zip"
+    path.write_bytes(blob[: 4 + fields["cut"]] if "cut" in fields else blob)
+    offset = 4 + 30 + len(header["name"]) + 4
+    ref = dataclasses.replace(
+        MemberAddress(str(path), 0, 0, offset, 2048, 0, _CRC, "cat/a.png"), **changes
+    )
+    ref = dataclasses.replace(ref, offset=offset + changes.get("offset", 0))
+    with open(path, "rb") as f:
+        assert zip_holds(f.fileno(), ref, 4, 2048, 0) is expected
