@@ -16,6 +16,9 @@ from mmcache import format as fmt
 from mmcache import residency as res
 from mmcache.cli import main
 
+# Pages evicted and brought back, counted resident: not beside a test that drops the page cache
+pytestmark = pytest.mark.xdist_group("page-cache")
+
 MiB = 1 << 20
 
 

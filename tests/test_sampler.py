@@ -164,6 +164,7 @@ def test_with_a_dataloader_and_workers(tmp_path):
     assert sorted(s) == list(range(60))
 
 
+@pytest.mark.xdist_group("page-cache")  # waits for pages to become resident
 def test_prefetch_reads_the_next_buffer(tmp_path):
     from test_residency import _evicted, _fs_type
 

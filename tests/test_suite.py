@@ -56,7 +56,8 @@ def _inner_pytest(tmp_path: Path, ci: str | None, source: str = INNER, args: tup
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, "test_inner.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", *args,
+         "test_inner.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

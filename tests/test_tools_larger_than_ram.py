@@ -18,6 +18,9 @@ sys.path.insert(0, str(TOOLS))
 
 import larger_than_ram as ltr  # noqa: E402 - a tool, imported from its folder
 
+# The tool drops the page cache: one worker runs it and the tests that count resident pages
+pytestmark = pytest.mark.xdist_group("page-cache")
+
 CGROUPS = Path("/sys/fs/cgroup")
 
 

@@ -27,7 +27,7 @@ def config(module: str, tests: list[str]) -> str:
         'source_paths = ["mmcache/"]\n'
         f'only_mutate = ["mmcache/{module}.py"]\n'
         f"pytest_add_cli_args_test_selection = [{quoted}]\n"
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-n", "0"]\n'
     )
 
 
