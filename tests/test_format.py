@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from mmcache import (
     build_cache,
     create_lazy_cache,
 )
+from mmcache import _manifest as manifest_checks
 from mmcache import format as fmt
 from mmcache.sample_data import make_segmentation_set
 
@@ -409,3 +411,104 @@ def test_a_changed_file_fails_its_checksum(cache, kind):
     path.write_bytes(bytes(blob))
     with pytest.raises(CacheFormatError, match=f"{path.name}: checksum mismatch"):
         fmt.open_cache(cache)
+
+
+# --- the manifest's own checksum, against a CRC-32 of JSON written by hand -------------------
+
+
+def test_a_manifest_s_checksum_is_the_crc_32_of_its_canonical_json_without_its_checksums():
+    m = {"b": [1, "\u00e9"], "a": {"y": True, "x": None}, "checksums": {"manifest": 7}}
+    canonical = b'{"a":{"x":null,"y":true},"b":[1,"\\u00e9"]}'  # sorted, no spaces, ASCII
+    assert manifest_checks.manifest_checksum(m) == zlib.crc32(canonical)
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="^nested too deeply$"):
+        manifest_checks.manifest_checksum({"x": deep})
+
+
+@pytest.mark.parametrize(
+    "raw, cost",
+    [
+        (b"", 0),
+        (b'{"a":[1,2],"b":"c"}', 2 * 64 + 2 * 32 + 3 * 24),
+        (b'"', 0),  # half a string is not counted
+        (b"[[],{}]", 3 * 64 + 32),
+    ],
+)
+def test_a_manifest_s_parse_cost_counts_containers_items_and_strings(raw, cost):
+    assert manifest_checks.manifest_parse_cost(raw) == cost
+
+
+def _checked(checksums, fields_kind=None, checksum=lambda m: 7):
+    m = {"format_version": 5} if checksums is None else {"checksums": checksums}
+    path = Path("c/manifest.json")
+    return manifest_checks.check_manifest_checksum(m, path, fields_kind, checksum)
+
+
+MALFORMED = "c/manifest.json: checksums missing or malformed (expected {{{}}} CRC-32s)"
+
+
+@pytest.mark.parametrize(
+    "checksums, fields_kind, names",
+    [
+        (None, None, "index, manifest, paths"),
+        ({"index": 1, "paths": 2}, None, "index, manifest, paths"),
+        ({"index": 1, "paths": 2, "manifest": 7, "fields": 3}, None, "index, manifest, paths"),
+        ({"index": 1, "paths": 2, "manifest": 7}, "fields", "fields, index, manifest, paths"),
+        ({"index": 1 << 32, "paths": 2, "manifest": 7}, None, "index, manifest, paths"),
+        ({"index": -1, "paths": 2, "manifest": 7}, None, "index, manifest, paths"),
+        ({"index": True, "paths": 2, "manifest": 7}, None, "index, manifest, paths"),
+        ([1, 2, 7], None, "index, manifest, paths"),
+    ],
+)
+def test_malformed_checksums_are_refused_naming_the_crc_32s_expected(checksums, fields_kind, names):
+    with pytest.raises(CacheFormatError) as e:
+        _checked(checksums, fields_kind)
+    assert str(e.value) == MALFORMED.format(names)
+
+
+def test_the_manifest_s_checksum_is_compared_and_its_mismatch_named_in_hex():
+    whole = {"index": 0, "paths": (1 << 32) - 1, "manifest": 7, "fields": 3}
+    assert _checked(whole, "fields") == whole
+    with pytest.raises(CacheFormatError) as e:
+        _checked({"index": 0, "paths": 0, "manifest": 7}, checksum=lambda m: 0x2A)
+    assert str(e.value) == (
+        "c/manifest.json: checksum mismatch (CRC-32 0000002a, recorded 00000007): the manifest "
+        "was damaged or edited; rebuild the cache"
+    )
+
+    def unwritable(m):
+        raise ValueError("nested too deeply")
+
+    with pytest.raises(CacheFormatError) as e:
+        _checked({"index": 0, "paths": 0, "manifest": 7}, checksum=unwritable)
+    assert str(e.value) == "c/manifest.json: cannot be checked (nested too deeply)"
+
+
+def _cache_name(name: str) -> bool:
+    return name.startswith("index")
+
+
+def test_a_folder_without_a_manifest_is_described_by_what_it_holds(tmp_path):
+    def why(*names: str) -> str:
+        folder = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        for n in names:
+            (folder / n).write_bytes(b"")
+        return manifest_checks.no_manifest(folder, "manifest.json", _cache_name)[len(str(folder)) :]
+
+    assert why() == ": an empty folder, not a cache; `mmcache build SOURCE CACHE` makes one"
+    tail = "; a cache is the folder `mmcache build SOURCE CACHE` writes"
+    assert why("b.txt", "index-1") == ": not an mmcache cache (it holds 'b.txt')" + tail
+    assert why("b.txt", "a.txt", "index-1") == (
+        ": not an mmcache cache (it holds 'a.txt' and more)" + tail
+    )
+    assert why("index-1", "index-2") == (
+        ": no finished cache here (manifest.json is missing: a build was stopped before it "
+        "published, or is running now); run `mmcache build` again"
+    )
+    missing = tmp_path / "gone"
+    assert manifest_checks.no_manifest(missing, "manifest.json", _cache_name) == (
+        f"{missing}: no cache here (the folder cannot be read: No such file or directory)"
+    )
