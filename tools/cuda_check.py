@@ -73,8 +73,10 @@ def run_tests(device: bool) -> tuple[bool, str]:
         str(ROOT / "tests" / "test_cuda.py")]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-                            *which])  # fmt: skip
+        # -n 0: in this process, as the docstring says (the suite's addopts spread it over
+        # worker processes, each importing torch again)
+        code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "-n", "0", "--rootdir",
+                            str(ROOT), *which])  # fmt: skip
     text = out.getvalue()
     lines = text.strip().splitlines()
     summary = lines[-1].strip("= ") if lines else f"pytest exited with {code}"
