@@ -512,3 +512,78 @@ def test_a_folder_without_a_manifest_is_described_by_what_it_holds(tmp_path):
     assert manifest_checks.no_manifest(missing, "manifest.json", _cache_name) == (
         f"{missing}: no cache here (the folder cannot be read: No such file or directory)"
     )
+
+
+ORIGIN_REFUSED = 'c/manifest.json: origin must be {"url"}, a store URL without credentials'
+
+
+@pytest.mark.parametrize(
+    "origin, mode, error",
+    [
+        (None, "built", None),
+        ({"url": "s3://b/train"}, "lazy", None),
+        ({"url": "s3://b/a@b"}, "lazy", None),  # an "@" past the host is a key's
+        ({"url": "s3://b/" + "t" * 13}, "lazy", None),  # 20 characters: the limit
+        ({"url": "s3://b/" + "t" * 14}, "lazy", ORIGIN_REFUSED),
+        ({"url": "s3://b/train", "etag": "x"}, "lazy", ORIGIN_REFUSED),
+        ({}, "lazy", ORIGIN_REFUSED),
+        ({"url": 5}, "lazy", ORIGIN_REFUSED),
+        ({"url": "s3://b\x00/t"}, "lazy", ORIGIN_REFUSED),
+        ({"url": "://b/train"}, "lazy", ORIGIN_REFUSED),
+        ({"url": "s3:/b/train"}, "lazy", ORIGIN_REFUSED),
+        ({"url": "s3://key@b/train"}, "lazy", ORIGIN_REFUSED),
+        (["s3://b/train"], "lazy", ORIGIN_REFUSED),
+        ({"url": "s3://key@b/train"}, "built", ORIGIN_REFUSED),  # the form is checked first
+        ({"url": "s3://b/train"}, "built", "c/manifest.json: a copy with an origin must be a "
+         "lazy cache"),
+    ],
+)  # fmt: skip
+def test_a_copy_s_origin_is_one_store_url_without_credentials_in_a_lazy_cache(origin, mode, error):
+    m = {} if origin is None else {"origin": origin}
+    check = lambda: manifest_checks.check_origin(m, mode, Path("c/manifest.json"), 20)  # noqa: E731
+    if error is None:
+        assert check() == origin
+    else:
+        with pytest.raises(CacheFormatError) as e:
+            check()
+        assert str(e.value) == error
+
+
+SOURCE_PATH = "c/manifest.json: source {} must be a non-empty path without NUL, at most 12 long"
+
+
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ({"kind": "folder", "root": "/data/train"}, None),
+        ({"kind": "folder", "root": "/data/train1"}, None),  # 12 characters: the limit
+        ({"kind": "folder", "root": "/data/train12"}, SOURCE_PATH.format("root")),
+        ({"kind": "folder", "root": ""}, SOURCE_PATH.format("root")),
+        ({"kind": "folder", "root": "/da\x00ta"}, SOURCE_PATH.format("root")),
+        ({"kind": "folder"}, SOURCE_PATH.format("root")),
+        ({"kind": "list", "root": "/data", "list_file": "/l.txt"}, None),
+        ({"kind": "list", "root": "/data"}, SOURCE_PATH.format("list_file")),
+        ({"kind": "tar", "root": "/t.tar", "masks": "/m"}, None),
+        ({"kind": "tar", "root": "/t.tar", "masks": 3}, SOURCE_PATH.format("masks")),
+        ({"kind": "tar", "root": "/t.tar", "coco": ""}, SOURCE_PATH.format("coco")),
+        ({"kind": "tar", "root": "/t.tar", "extra": 3}, None),  # only path keys are paths
+    ],
+)  # fmt: skip
+def test_a_source_s_paths_are_names_within_the_limit(source, error):
+    check = lambda: manifest_checks.check_source(source, Path("c/manifest.json"), 12)  # noqa: E731
+    if error is None:
+        check()
+    else:
+        with pytest.raises(CacheFormatError) as e:
+            check()
+        assert str(e.value) == error
+
+
+@pytest.mark.parametrize("kind", ["nope", None, 3, "Folder"])
+def test_a_source_of_a_kind_not_registered_is_refused_naming_the_kinds(kind):
+    with pytest.raises(CacheFormatError) as e:
+        manifest_checks.check_source({"kind": kind, "root": "/d"}, Path("c/manifest.json"), 12)
+    # (a kind registered by another test may follow the built-in ones)
+    assert str(e.value).startswith(
+        f"c/manifest.json: source kind {kind!r} is not one of webdataset, zip, tar, list, folder"
+    )
