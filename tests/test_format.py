@@ -522,7 +522,8 @@ ORIGIN_REFUSED = 'c/manifest.json: origin must be {"url"}, a store URL without c
     [
         (None, "built", None),
         ({"url": "s3://b/train"}, "lazy", None),
-        ({"url": "s3://b/a@b"}, "lazy", None),  # an "@" past the host is a key's
+        ({"url": "s3://b/a@b/c"}, "lazy", None),  # an "@" past the host is a key's
+        ({"url": "s3://key@b/x://y"}, "lazy", ORIGIN_REFUSED),  # the first "://" ends the scheme
         ({"url": "s3://b/" + "t" * 13}, "lazy", None),  # 20 characters: the limit
         ({"url": "s3://b/" + "t" * 14}, "lazy", ORIGIN_REFUSED),
         ({"url": "s3://b/train", "etag": "x"}, "lazy", ORIGIN_REFUSED),
