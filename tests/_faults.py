@@ -39,6 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
+def pytest_xdist_auto_num_workers(config):
+    """No workers (one process) when the tally is to be written: each worker's session would
+    write only its own counts, over the others'; None leaves ``-n auto`` its one per core."""
+    return 0 if os.environ.get("MMCACHE_FAULTS_REPORT") else None
+
+
 @pytest.fixture(scope="session")
 def tally():
     """What the suite counted; written to $MMCACHE_FAULTS_REPORT (tests never print)."""

@@ -100,3 +100,14 @@ def test_the_suite_has_a_per_test_timeout_of_minutes():
 def test_no_tests_is_not_a_pass(tmp_path):
     run = _inner_pytest(tmp_path, ci="1", source="")
     assert run.returncode == 5, run.stdout
+
+
+def test_a_faults_report_makes_n_auto_one_process(monkeypatch):
+    # Each xdist worker's session would write its own counts over the others': the tally
+    # written to $MMCACHE_FAULTS_REPORT is a whole session's only in one process.
+    import _faults
+
+    monkeypatch.setenv("MMCACHE_FAULTS_REPORT", "report.json")
+    assert _faults.pytest_xdist_auto_num_workers(None) == 0
+    monkeypatch.delenv("MMCACHE_FAULTS_REPORT")
+    assert _faults.pytest_xdist_auto_num_workers(None) is None  # xdist's one per core

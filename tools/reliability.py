@@ -39,7 +39,6 @@ def main() -> int:
         if args.seed is not None:
             env["MMCACHE_FAULTS_SEED"] = str(args.seed)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
-        cmd += ["-n", "0"]  # one process: the tally is the session's (tests/_faults.py)
         cmd += sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_faults_*.py"))
         done = subprocess.run(cmd, cwd=REPO, env=env)
         counts = json.loads(report.read_text()) if report.exists() else {}
