@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             optimizer.step()
             step += 1
-            total_loss += float(loss) * len(batch)
+            total_loss += loss.item() * len(batch)
             seen += len(batch)
             pred = logits.argmax(1)
             pairs = mask.reshape(-1) * args.classes + pred.reshape(-1)
