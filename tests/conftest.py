@@ -67,6 +67,54 @@ def wait_until(predicate, what: str, seconds: float = 30) -> None:
         time.sleep(0.01)
 
 
+def local_ranks(nproc: int, *args: str, env: dict | None = None, timeout: float = 180):
+    """Run ``python args`` as ``nproc`` ranks of one node, as ``torchrun --standalone`` starts
+    them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: gloo's
+    env:// rendezvous), without torchrun's own process: a fresh Python that imports torch,
+    about 3 CPU-seconds of a CPU-bound suite. The ranks share one stdout and one stderr, as
+    under torchrun; when one fails the others are stopped, as torchrun stops them, and the
+    status is the failed rank's. The tests of torchrun's own behaviour (per-rank logs, a rank
+    that fails, dies or hangs) run torchrun itself (test_distributed.py)."""
+    import socket
+    import sys
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0"}  # fmt: skip
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, *args],
+                stdout=out,
+                stderr=err,
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )  # fmt: skip
+            for r in range(nproc)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in ranks):
+                if any(p.returncode for p in ranks) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        status = next((p.returncode for p in ranks if p.returncode), 0)
+        if time.monotonic() > deadline and status:
+            raise subprocess.TimeoutExpired(args, timeout)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(args, status, stdout, stderr)
+
+
 @contextlib.contextmanager
 def sigint_by_default():
     """Start children with SIGINT at its default, as a terminal's foreground job is.

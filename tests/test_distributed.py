@@ -1,4 +1,8 @@
-"""Scale-out under torchrun (real processes, gloo): distributed build, DDP example, copy_cache."""
+"""Scale-out under torchrun (real processes, gloo): distributed build, DDP example, copy_cache.
+
+The tests of what torchrun itself does (per-rank logs; a rank that fails, dies or hangs stopping
+the others) run torchrun; the others start the ranks as torchrun does (conftest.local_ranks).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder, reseal, write_image
+from conftest import local_ranks, make_folder, reseal, write_image
 
 import mmcache._layout
 from mmcache import CacheFormatError, build_cache, copy_cache
@@ -33,6 +37,11 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, log_dir: Path | No
     return subprocess.run(
         cmd + list(args), env=environ, capture_output=True, text=True, timeout=180
     )
+
+
+def ranks(nproc: int, *args: str, env: dict | None = None):
+    """``args`` as ``nproc`` local ranks started as torchrun starts them, without its process."""
+    return local_ranks(nproc, *args, env={"PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def rank_logs(log_dir: Path, stream: str) -> dict[int, str]:
@@ -83,13 +92,13 @@ def test_distributed_true_needs_a_process_group(small_folder, tmp_path):
 
 
 def test_two_ranks_build_what_one_process_builds(source, tmp_path):
-    run = torchrun(2, "-m", "mmcache", "build", str(source), str(tmp_path / "c2"), "--workers", "2")
+    run = ranks(2, "-m", "mmcache", "build", str(source), str(tmp_path / "c2"), "--workers", "2")
     assert run.returncode == 0, run.stderr
     assert "41 images in 3 classes" in run.stdout and "1 skipped" in run.stdout
     build_cache(source, tmp_path / "c1", workers=1, distributed=False)
     assert records(tmp_path / "c2") == records(tmp_path / "c1")
 
-    again = torchrun(2, "-m", "mmcache", "build", str(source), str(tmp_path / "c2"))
+    again = ranks(2, "-m", "mmcache", "build", str(source), str(tmp_path / "c2"))
     assert again.returncode == 0, again.stderr
     assert "up to date" in again.stdout
 
@@ -102,7 +111,7 @@ def test_three_ranks_refresh_an_old_cache_as_one_process_does_with_overflow(
     write_image(source / "a" / "img_000.jpg", 30, 20, seed=7)  # modified: decoded again
     write_image(source / "b" / "new.jpg", 20, 30, seed=8)  # added, its header unreadable
     os.unlink(source / "a" / "img_001.jpg")  # removed
-    run = torchrun(
+    run = ranks(
         3,
         str(HERE / "_torchrun_cli.py"),
         "build",
@@ -234,12 +243,12 @@ def test_the_ddp_example_builds_together_then_trains_and_resumes(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "train_ddp: 2 ranks (gloo, cpu), 4 batches of 4 per rank and epoch" in run.stdout
     assert "stopped after step 3" in run.stdout
-    resumed = torchrun(2, script, *args, "--resume", "--json", str(tmp_path / "r.json"))
+    resumed = ranks(2, script, *args, "--resume", "--json", str(tmp_path / "r.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at epoch 1, batch 2" in resumed.stdout and "up to date" in resumed.stdout
     loss, rate = re.search(r"epoch 2: loss ([\d.]+), .* ([\d,]+) img/s", resumed.stdout).groups()
     assert 0 < float(loss) < 10 and int(rate.replace(",", "")) > 0
-    whole = torchrun(2, script, *args[:-2], "--json", str(tmp_path / "w.json"))
+    whole = ranks(2, script, *args[:-2], "--json", str(tmp_path / "w.json"))
     assert whole.returncode == 0, whole.stderr
     # the interrupted and resumed run ends with the weights of the uninterrupted one
     ends = [json.loads((tmp_path / f).read_text())["weights_sum"] for f in ("r.json", "w.json")]

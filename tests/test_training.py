@@ -4,16 +4,12 @@ DataLoader transforms, reproducible batches, progressive resizing, mid-epoch res
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_folder
+from conftest import local_ranks, make_folder
 from torch.utils.data import DataLoader
 
 from mmcache import (
@@ -530,13 +526,7 @@ dist.destroy_process_group()
 def test_resume_works_per_rank_under_torch_distributed(cache, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(cache), str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
+    run = local_ranks(2, str(script), str(cache), str(tmp_path))  # as torchrun starts them
     assert run.returncode == 0, run.stderr
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["ok"] for r in results)
