@@ -146,7 +146,7 @@ def read_headers(fd: int, start: int, size: int, where: str) -> Iterator[TarMemb
         if kind not in _KINDS:
             raise OtherHeaders
         count += 1
-        text, link_text, mtime_ns = _described(block, long_name, long_link, pax, where, pos)
+        text, link_text, mtime_ns = _described(block, long_name, long_link, pax, where, data - 512)
         yield TarMember(text, _KINDS[kind], data, length, mtime_ns, link_text, first)
         long_name = long_link = None
         pax = {}

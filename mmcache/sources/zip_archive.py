@@ -89,6 +89,8 @@ def scan_zip(root: Path, images: tuple[str, ...]) -> Listing:
                 table.add(name, row, root.name)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as e:
         raise broken(root.name, f"it does not read as a zip ({e})") from None
+    except SourceError:  # an OSError too: the refusals above, said as they are
+        raise
     except OSError as e:
         raise SourceError(f"{root}: cannot read the archive ({e.strerror})") from None
     return image_folder(root, "zip", table, dirs, images)
