@@ -4,6 +4,7 @@ message it refuses with."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,33 @@ def test_a_folder_that_is_missing_or_holds_no_manifest_is_no_cache(tmp_path):
         f"{tmp_path}: an empty folder, not a cache; `mmcache build SOURCE CACHE` makes one",
         CacheNotFoundError,
     )
+
+
+def test_a_folder_of_cache_files_without_its_manifest_is_an_unfinished_cache(tmp_path):
+    (tmp_path / "index-1.bin").write_bytes(b"")
+    _refused(
+        lambda: checks.load_manifest_json(
+            tmp_path, tmp_path / "m.json", 12, 99, lambda name: name.startswith("index-")
+        ),
+        f"{tmp_path}: no finished cache here (m.json is missing: a build was stopped before it "
+        "published, or is running now); run `mmcache build` again",
+        CacheNotFoundError,
+    )
+
+
+def test_a_huge_manifest_file_is_refused_without_being_read_whole(tmp_path):
+    mpath = tmp_path / "manifest.json"
+    with open(mpath, "wb") as f:
+        f.truncate(16 << 20)  # sparse: 16 MiB of zeros that take no disk
+    tracemalloc.start()
+    try:
+        with pytest.raises(CacheFormatError) as e:
+            checks.load_manifest_json(tmp_path, mpath, 12, 1 << 20, bool)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(e.value) == f"{mpath}: larger than 12 bytes"
+    assert peak < 1 << 20  # the limit and a byte more are read, not the file
 
 
 # --- check_version and rebuild_command -------------------------------------------------------
