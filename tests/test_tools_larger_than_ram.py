@@ -118,8 +118,9 @@ def test_an_interrupted_run_leaves_no_cgroup(workdir, sig):
     args = ["--storage", "hdd", "--iops", "20", "--loaders", "dataloader", "--rows", "random",
             "--max-epoch-seconds", "120"]  # fmt: skip
     with sigint_by_default():  # else a pytest started in the background ignores Ctrl-C's
+        # (stderr kept: the tool names a group it could not remove there)
         proc = subprocess.Popen(
-            _tool(workdir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            _tool(workdir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
     try:
         blkio = CGROUPS / "blkio"
@@ -130,13 +131,13 @@ def test_an_interrupted_run_leaves_no_cgroup(workdir, sig):
 
         wait_until(a_row_runs, "a row to run inside the tool's cgroups", seconds=240)
         proc.send_signal(sig)
-        proc.wait(timeout=120)
+        stderr = proc.communicate(timeout=120)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
-    assert _groups() == before
+    assert _groups() == before, stderr[-3000:]
     assert _rows_running(workdir) == []  # the row's processes were ended too
 
 
