@@ -9,6 +9,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -75,16 +77,11 @@ def local_ranks(nproc: int, *args: str, env: dict | None = None, timeout: float 
     under torchrun; when one fails the others are stopped, as torchrun stops them, and the
     status is the failed rank's. The tests of torchrun's own behaviour (per-rank logs, a rank
     that fails, dies or hangs) run torchrun itself (test_distributed.py)."""
-    import socket
-    import sys
-    import tempfile
+    from emulators import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": "0"}  # fmt: skip
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}  # fmt: skip
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         ranks = [
             subprocess.Popen(
@@ -97,21 +94,19 @@ def local_ranks(nproc: int, *args: str, env: dict | None = None, timeout: float 
         ]
         deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for p in ranks):
-                if any(p.returncode for p in ranks) or time.monotonic() > deadline:
-                    break
+            while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(args, timeout)
                 time.sleep(0.02)
         finally:
             for p in ranks:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        status = next((p.returncode for p in ranks if p.returncode), 0)
-        if time.monotonic() > deadline and status:
-            raise subprocess.TimeoutExpired(args, timeout)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    status = next((p.returncode for p in ranks if p.returncode), 0)
     return subprocess.CompletedProcess(args, status, stdout, stderr)
 
 
