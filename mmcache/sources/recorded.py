@@ -37,8 +37,8 @@ class MemberFinder:
     records again, once, on the first record asked for: for a cache without a members file,
     or whose archive changed since it was written."""
 
-    def __init__(self, source: dict, images: tuple[str, ...]) -> None:
-        self.source, self.images = source, images
+    def __init__(self, source: dict) -> None:
+        self.source = source
         self._found: Listing | None = None
         self._index: dict[str, int] = {}
         self._error = ""
@@ -69,9 +69,9 @@ class RecordedMembers:
     it (``holds``: its kind's test); else (no members file, a changed archive) found by
     listing the archive again (``MemberFinder``)."""
 
-    def __init__(self, files: CacheFiles, images: tuple[str, ...], holds: Holds) -> None:
+    def __init__(self, files: CacheFiles, holds: Holds) -> None:
         self.files = files
-        self._finder = MemberFinder(files.manifest.source, images)
+        self._finder = MemberFinder(files.manifest.source)
         self._holds = holds
         self._table: np.ndarray | None = None
         self._read = False

@@ -53,7 +53,7 @@ class Tar:
         return scan_tar(Path(os.fspath(source)).expanduser().resolve(), label_key)
 
     def recorded(self, files: CacheFiles) -> RecordedMembers:
-        return RecordedMembers(files, IMAGE_EXTENSIONS, tar_holds)
+        return RecordedMembers(files, tar_holds)
 
     def exists(self, root: str) -> bool:
         return Path(root).exists()

@@ -70,7 +70,7 @@ class WebDataset:
         return scan_shards(root, found_shards, IMAGE_EXTENSIONS, label_key, {})
 
     def recorded(self, files: CacheFiles) -> RecordedMembers:
-        return RecordedMembers(files, IMAGE_EXTENSIONS, tar_holds)
+        return RecordedMembers(files, tar_holds)
 
     def exists(self, root: str) -> bool:
         """Whether the source is there: a path, or a brace pattern's first shard."""

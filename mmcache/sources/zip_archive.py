@@ -46,7 +46,7 @@ class Zip:
         return scan_zip(root, IMAGE_EXTENSIONS)
 
     def recorded(self, files: CacheFiles) -> RecordedMembers:
-        return RecordedMembers(files, IMAGE_EXTENSIONS, zip_holds)
+        return RecordedMembers(files, zip_holds)
 
     def exists(self, root: str) -> bool:
         return Path(root).exists()
