@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import struct
 import zlib
 from pathlib import Path
 
@@ -301,3 +302,25 @@ def test_a_listed_member_s_size_is_read_from_its_header(tmp_path, method):
         None if method else (5, 7)  # a stored member's header is read in place, unchecked
     )
     assert _members(path, stored, method, -1).probe(0, 1) is None  # in /elsewhere.tar
+
+
+def _rotated_jpeg(path: Path) -> bytes:
+    """A JPEG stored 7 wide and 5 high with an EXIF block whose one tag is orientation 6
+    (rotate 90 degrees clockwise to view): 5 wide and 7 high as viewed."""
+    jpeg = write_image(path, 7, 5, seed=3).read_bytes()
+    tiff = (
+        b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", 1)
+        + struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0) + struct.pack("<I", 0)
+    )  # fmt: skip
+    payload = b"Exif\x00\x00" + tiff
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
+
+
+@pytest.mark.parametrize("method", [0, 8])
+def test_a_listed_member_s_size_is_as_viewed_or_as_stored_as_asked(tmp_path, method):
+    jpeg = _rotated_jpeg(tmp_path / "x.jpg")
+    stored = _deflated(jpeg) if method else jpeg
+    members = _members(_archive(tmp_path / "a.zip", stored), stored, method, zlib.crc32(jpeg))
+    assert members.probe(1, len(jpeg)) == (7, 5)
+    assert members.probe(1, len(jpeg), exif=True) == (7, 5)
+    assert members.probe(1, len(jpeg), exif=False) == (5, 7)
