@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_folder
 
-from mmcache import BatchLoader, DecodeError, MemmapImageDataset, build_cache
+from mmcache import BatchLoader, DecodeError, MemmapImageDataset, RandomResizedCrop, build_cache
 from mmcache import format as fmt
 from mmcache._iteration import random_reader
 
@@ -141,6 +142,19 @@ def test_of_two_failing_batches_the_first_one_s_error_is_raised_after_the_batche
         next(it)
 
 
+def test_with_views_and_params_each_batch_hands_out_each_view_s_boxes_and_flips(ds):
+    views = [(RandomResizedCrop(4), 1), (RandomResizedCrop(2), 1)]
+    loader = BatchLoader(ds, 4, views=views, flip=True, return_params=True, seed=0)
+    shapes = []
+    for images, params, labels in loader:
+        shapes.append(([tuple(v.shape) for v in images], [tuple(p.shape) for p in params],
+                       len(labels)))  # fmt: skip
+        for top, left, height, width, flip in torch.cat(params).tolist():
+            assert 0 <= top < top + height <= 8 and 0 <= left < left + width <= 8
+            assert flip in (0, 1)
+    assert shapes == [([(n, 4, 4, 3), (n, 2, 2, 3)], [(n, 5), (n, 5)], n) for n in (4, 4, 2)]
+
+
 class _Reader:
     def __init__(self, path: Path) -> None:
         self.data_path = path
@@ -155,6 +169,7 @@ ORDERS = {
     "the same record again and again": (np.zeros(10, np.int64), True),
     "half its 10 steps forward": (np.array([1, 0] * 5 + [1]), False),
     "4 of its 9 steps forward": (np.array([1, 0] * 5), True),
+    "two records backwards": (np.array([1, 0]), True),
     "one record": (np.array([3]), False),
     "no record": (np.array([], np.int64), False),
 }
