@@ -189,6 +189,20 @@ def test_a_record_the_manifest_contradicts_is_refused_naming_it_and_the_count(tm
     assert str(e.value) == f"{path}: record 1: {words} (2 such records)"
 
 
+def test_a_record_is_checked_to_the_byte_in_an_archive_past_2_53_bytes(tmp_path):
+    # Where float64 cannot tell 2**53 + 1 from 2**53: the check is exact unsigned arithmetic.
+    big = [["/data/a.tar", (1 << 53) + 1, 111], ARCHIVES[1]]
+    at_end = RECORD.pack(1, 1 << 53, 0, 1, 0, 8, 0)
+    past = RECORD.pack(1, (1 << 53) + 1, 0, 1, 0, 8, 0)
+    table = read_member_table(_cache(tmp_path, at_end, [700], archives=big))
+    assert table is not None and table.tobytes() == at_end
+    with pytest.raises(CacheFormatError) as e:
+        read_member_table(_cache(tmp_path, past, [700], archives=big))
+    assert (
+        str(e.value) == f"{tmp_path / f'members-{GEN}.bin'}: record 0: {OUTSIDE} (1 such records)"
+    )
+
+
 DAMAGED = "the file is damaged; rebuild the cache"
 
 
@@ -202,6 +216,11 @@ def test_a_members_file_of_another_size_than_the_manifest_s_is_refused(tmp_path)
     with pytest.raises(CacheFormatError) as e:
         read_member_table(cache)
     assert str(e.value) == f"{path}: is 64 bytes, the manifest says 1,000: {DAMAGED}"
+    # a file far larger is read one byte past the size the manifest says, no further
+    cache = _cache(tmp_path, TAR_A + ZIP_B, [700, 300], size=32)
+    with pytest.raises(CacheFormatError) as e:
+        read_member_table(cache)
+    assert str(e.value) == f"{path}: is 33+ bytes, the manifest says 32: {DAMAGED}"
 
 
 def test_a_members_file_of_another_crc_than_the_manifest_s_is_refused(tmp_path):
