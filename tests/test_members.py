@@ -324,3 +324,30 @@ def test_a_listed_member_s_size_is_as_viewed_or_as_stored_as_asked(tmp_path, met
     assert members.probe(1, len(jpeg)) == (7, 5)
     assert members.probe(1, len(jpeg), exif=True) == (7, 5)
     assert members.probe(1, len(jpeg), exif=False) == (5, 7)
+
+
+class _Capture:
+    """A stand-in for ``decode.StderrCapture``: says what it collected while entered."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+
+    def __enter__(self) -> _Capture:
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def text(self) -> str:
+        return "libpng warning: as the capture collected it"
+
+
+def test_what_the_decoder_printed_while_a_member_decoded_is_its_record_s_message(tmp_path):
+    png = _png(tmp_path / "x.png", 7, 5)
+    path = _archive(tmp_path / "a.tar", png)
+    capture = _Capture()
+    state, _, message, _ = decode_member(_ref(path, png), len(png), 0, Options(), capture)
+    assert (state, message, capture.entered) == (
+        fmt.FILLED, "libpng warning: as the capture collected it", 1
+    )  # fmt: skip
