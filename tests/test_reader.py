@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder
+from conftest import make_folder, reference
 
 from mmcache import CacheFormatError, MemmapImageDataset, build_cache, create_lazy_cache
 from mmcache import format as fmt
@@ -220,3 +220,51 @@ def test_after_a_reboot_a_reader_checks_each_fill_once(src, tmp_path, monkeypatc
     _damage(cache, 1)
     after[1]
     assert decoded == []  # checked once, found whole, never filled again
+
+
+def test_a_reader_s_data_file_never_gets_descriptor_0_its_folder_s_handle_does(src, tmp_path):
+    """A process started without a standard input hands out descriptor 0 to the first file it
+    opens: the folder's handle, opened first to open the data file by name, takes it, so the
+    data file's descriptor is never 0 (which ``__del__`` then need not tell from "none")."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    ds = MemmapImageDataset(cache)
+    saved = os.dup(0)
+    try:
+        os.close(0)
+        assert ds[0][0].shape == (6, 8, 3)  # maps the data file, opened now
+        assert ds.reader.fd > 0
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+def test_after_a_reboot_a_fill_the_power_cut_lost_is_decoded_again(src, tmp_path, monkeypatch):
+    """Another boot's filler file, and a FILLED record whose bytes fail their CRC-32 (they
+    never reached the disk): the record is decoded again from its source, once, and both the
+    read and the data file then hold the source's pixels (cv2's decode of the file)."""
+    import mmcache._filler as filler_module
+
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    for i in range(len(ds)):
+        ds[i]
+    ds.reader.filler.close()
+    _damage(cache, 1)
+    monkeypatch.setattr(filler_module, "boot_id", lambda: "this-boot")
+    (cache / ("filling-" + "0" * 16)).write_bytes(b"another-boot")
+    decoded = []
+    decode = filler_module.decode_record
+    monkeypatch.setattr(
+        filler_module, "decode_record", lambda *a, **k: decoded.append(a[0]) or decode(*a, **k)
+    )
+    expected = reference(sorted(src.rglob("*.jpg"))[1])
+    after = MemmapImageDataset(cache, source=src)
+    assert np.array_equal(after[1][0], expected)
+    assert len(decoded) == 1
+    assert np.array_equal(after[1][0], expected)
+    assert len(decoded) == 1  # the second read is the refilled record's
+    data, offset, n = _record_span(cache, 1)
+    with open(data, "rb") as f:
+        f.seek(offset)
+        assert f.read(n) == expected.tobytes()
