@@ -252,7 +252,8 @@ def test_a_reader_of_a_cache_of_no_records_maps_no_bytes_and_no_states(tmp_path)
     arrays in for both."""
     cache = write_cache(tmp_path / "c", [], 0, classes=())
     reader = RecordReader(cache, fmt.open_cache(cache), verify=False)
-    assert reader.mapping().tolist() == [] and reader.codes.tolist() == []
+    assert reader.mapping().dtype == np.uint8 and reader.mapping().tolist() == []
+    assert reader.codes.tolist() == []
     assert reader.filled(np.zeros(0, np.int64)).tolist() == []
     assert not reader.cut_short()
 
