@@ -268,3 +268,24 @@ def test_after_a_reboot_a_fill_the_power_cut_lost_is_decoded_again(src, tmp_path
     with open(data, "rb") as f:
         f.seek(offset)
         assert f.read(n) == expected.tobytes()
+
+
+def test_a_reader_has_its_records_as_int64_arrays_and_no_other_attribute_made_up(src, tmp_path):
+    """The record arrays (``Records``: int64, in record order) are made on first use; any other
+    name a reader lacks is Python's usual AttributeError, word for word."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    reader = MemmapImageDataset(cache).reader
+    with pytest.raises(AttributeError) as missing:
+        _ = reader.no_such_name
+    assert str(missing.value) == "'RecordReader' object has no attribute 'no_such_name'"
+    assert not hasattr(reader, "no_such_name")
+    records = reader.records
+    assert records.shapes.tolist() == [[6, 8, 3], [7, 5, 3], [6, 6, 3], [4, 9, 3]]
+    assert records.nbytes.tolist() == [6 * 8 * 3, 7 * 5 * 3, 6 * 6 * 3, 4 * 9 * 3]
+    assert records.labels.tolist() == [0, 0, 1, 1]
+    assert records.offsets.tolist() == [_record_span(cache, i)[1] for i in range(4)]
+    for a in (records.offsets, records.shapes, records.nbytes, records.labels):
+        assert a.dtype == np.int64
+    assert reader.offsets is records.offsets and reader.shapes is records.shapes
+    assert reader.nbytes is records.nbytes and reader.labels is records.labels
