@@ -68,6 +68,26 @@ def test_an_unpickled_copy_of_a_rebuilt_cache_names_the_cache_and_both_generatio
         copy[0]
 
 
+def test_a_dataset_whose_cache_is_rebuilt_before_its_first_read_names_both_generations(
+    src, tmp_path
+):
+    """The generation's files are gone when the reader maps them: the error names the cache,
+    the generation it finds now and the one it opened."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    old = _manifest(cache)["generation"]
+    ds = MemmapImageDataset(cache)
+    build_cache(src, cache, workers=0, size=(4, 4), replace=True)
+    new = _manifest(cache)["generation"]
+    assert new != old
+    expected = (
+        f"{cache}: the cache was rebuilt after this dataset was opened (generation {new}, "
+        f"expected {old}); open it again"
+    )
+    with pytest.raises(CacheFormatError, match=f"^{re.escape(expected)}$"):
+        ds[0]
+
+
 def test_an_unpickled_copy_checks_first_reads_and_its_message_names_record_file_and_crcs(
     src, tmp_path
 ):
