@@ -16,6 +16,7 @@ import pytest
 
 from mmcache import CacheFormatError, UnsafeCacheError
 from mmcache import format as fmt
+from mmcache._records import RecordReader
 
 GEN = "0123456789abcdef"
 OTHER_GEN = "fedcba9876543210"
@@ -244,6 +245,17 @@ def test_an_empty_record_is_read_in_a_lazy_cache_and_refused_in_a_built_one(tmp_
 def test_a_cache_of_no_records_and_no_classes_is_read(tmp_path):
     files = fmt.open_cache(write_cache(tmp_path / "c", [], 0, classes=()))
     assert files.manifest.count == 0 and len(files.index) == 0 and files.paths() == []
+
+
+def test_a_reader_of_a_cache_of_no_records_maps_no_bytes_and_no_states(tmp_path):
+    """Its data and state files are empty, which mmap refuses to map: the reader stands empty
+    arrays in for both."""
+    cache = write_cache(tmp_path / "c", [], 0, classes=())
+    reader = RecordReader(cache, fmt.open_cache(cache), verify=False)
+    assert reader.mapping().dtype == np.uint8 and reader.mapping().tolist() == []
+    assert reader.codes.tolist() == []
+    assert reader.filled(np.zeros(0, np.int64)).tolist() == []
+    assert not reader.cut_short()
 
 
 def test_records_but_no_classes_are_refused(tmp_path):

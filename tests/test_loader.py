@@ -95,6 +95,15 @@ def test_pixels_equal_the_dataset_in_order(ds, read):
     assert labels.tolist() == ds.targets
 
 
+def test_channels_last_without_normalize_gives_the_uint8_images_as_an_nchw_view(ds):
+    images, labels = next(iter(BatchLoader(ds, 5, channels_last=True)))
+    assert images.dtype == torch.uint8 and images.shape == (5, 3, 24, 32)
+    assert images.is_contiguous(memory_format=torch.channels_last)  # a view: no copy
+    for j in range(5):
+        assert np.array_equal(images[j].permute(1, 2, 0).numpy(), ds[j][0])
+    assert labels.tolist() == ds.targets[:5]
+
+
 def test_seeded_shuffle_is_repeatable_and_changes_with_the_epoch(ds):
     def order(epoch, seed=3):
         loader = BatchLoader(ds, 8, shuffle=True, seed=seed)

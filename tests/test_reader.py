@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_folder
+from conftest import make_folder, reference
 
 from mmcache import CacheFormatError, MemmapImageDataset, build_cache, create_lazy_cache
 from mmcache import format as fmt
@@ -66,6 +66,26 @@ def test_an_unpickled_copy_of_a_rebuilt_cache_names_the_cache_and_both_generatio
     )
     with pytest.raises(CacheFormatError, match=f"^{re.escape(expected)}$"):
         copy[0]
+
+
+def test_a_dataset_whose_cache_is_rebuilt_before_its_first_read_names_both_generations(
+    src, tmp_path
+):
+    """The generation's files are gone when the reader maps them: the error names the cache,
+    the generation it finds now and the one it opened."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    old = _manifest(cache)["generation"]
+    ds = MemmapImageDataset(cache)
+    build_cache(src, cache, workers=0, size=(4, 4), replace=True)
+    new = _manifest(cache)["generation"]
+    assert new != old
+    expected = (
+        f"{cache}: the cache was rebuilt after this dataset was opened (generation {new}, "
+        f"expected {old}); open it again"
+    )
+    with pytest.raises(CacheFormatError, match=f"^{re.escape(expected)}$"):
+        ds[0]
 
 
 def test_an_unpickled_copy_checks_first_reads_and_its_message_names_record_file_and_crcs(
@@ -220,3 +240,91 @@ def test_after_a_reboot_a_reader_checks_each_fill_once(src, tmp_path, monkeypatc
     _damage(cache, 1)
     after[1]
     assert decoded == []  # checked once, found whole, never filled again
+
+
+def test_a_reader_s_data_file_never_gets_descriptor_0_its_folder_s_handle_does(src, tmp_path):
+    """A process started without a standard input hands out descriptor 0 to the first file it
+    opens: the folder's handle, opened first to open the data file by name, takes it, so the
+    data file's descriptor is never 0 (which ``__del__`` then need not tell from "none")."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    ds = MemmapImageDataset(cache)
+    saved = os.dup(0)
+    try:
+        os.close(0)
+        assert ds[0][0].shape == (6, 8, 3)  # maps the data file, opened now
+        assert ds.reader.fd > 0
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+def test_after_a_reboot_a_fill_the_power_cut_lost_is_decoded_again(src, tmp_path, monkeypatch):
+    """Another boot's filler file, and a FILLED record whose bytes fail their CRC-32 (they
+    never reached the disk): the record is decoded again from its source, once, and both the
+    read and the data file then hold the source's pixels (cv2's decode of the file)."""
+    import mmcache._filler as filler_module
+
+    cache = tmp_path / "cache"
+    ds = MemmapImageDataset(cache, source=src)
+    for i in range(len(ds)):
+        ds[i]
+    ds.reader.filler.close()
+    _damage(cache, 1)
+    monkeypatch.setattr(filler_module, "boot_id", lambda: "this-boot")
+    (cache / ("filling-" + "0" * 16)).write_bytes(b"another-boot")
+    decoded = []
+    decode = filler_module.decode_record
+    monkeypatch.setattr(
+        filler_module, "decode_record", lambda *a, **k: decoded.append(a[0]) or decode(*a, **k)
+    )
+    expected = reference(sorted(src.rglob("*.jpg"))[1])
+    after = MemmapImageDataset(cache, source=src)
+    assert np.array_equal(after[1][0], expected)
+    assert len(decoded) == 1
+    assert np.array_equal(after[1][0], expected)
+    assert len(decoded) == 1  # the second read is the refilled record's
+    data, offset, n = _record_span(cache, 1)
+    with open(data, "rb") as f:
+        f.seek(offset)
+        assert f.read(n) == expected.tobytes()
+
+
+def test_a_reader_has_its_records_as_int64_arrays_and_no_other_attribute_made_up(src, tmp_path):
+    """The record arrays (``Records``: int64, in record order) are made on first use; any other
+    name a reader lacks is Python's usual AttributeError, word for word."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    reader = MemmapImageDataset(cache).reader
+    with pytest.raises(AttributeError) as missing:
+        _ = reader.no_such_name
+    assert str(missing.value) == "'RecordReader' object has no attribute 'no_such_name'"
+    assert not hasattr(reader, "no_such_name")
+    records = reader.records
+    assert records.shapes.tolist() == [[6, 8, 3], [7, 5, 3], [6, 6, 3], [4, 9, 3]]
+    assert records.nbytes.tolist() == [6 * 8 * 3, 7 * 5 * 3, 6 * 6 * 3, 4 * 9 * 3]
+    assert records.labels.tolist() == [0, 0, 1, 1]
+    assert records.offsets.tolist() == [_record_span(cache, i)[1] for i in range(4)]
+    for a in (records.offsets, records.shapes, records.nbytes, records.labels):
+        assert a.dtype == np.int64
+    assert reader.offsets is records.offsets and reader.shapes is records.shapes
+    assert reader.nbytes is records.nbytes and reader.labels is records.labels
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="Linux's /proc")
+def test_a_reader_freed_before_its_first_read_closes_no_descriptor(src, tmp_path):
+    """It holds none until it maps the data file: freeing it leaves the process's descriptors
+    (its standard streams among them) as they were."""
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    saved = {n: os.dup(n) for n in (0, 1, 2)}
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        ds = MemmapImageDataset(cache)
+        del ds
+        gc.collect()
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        for n, fd in saved.items():
+            os.dup2(fd, n)
+            os.close(fd)
