@@ -31,8 +31,13 @@ def header(name: bytes, size: int = 0, kind: bytes = b"0", mtime: int = 0, **fie
     b[257:265] = b"ustar\x0000"
     prefix = fields.get("prefix", b"")
     b[345 : 345 + len(prefix)] = prefix
+    pad = fields.get("pad", b"")  # the 12 unused bytes after the prefix
+    b[500 : 500 + len(pad)] = pad
     b[148:156] = b" " * 8
-    b[148:156] = b"%06o\0 " % sum(b)
+    if fields.get("signed"):  # the sum of the bytes read as signed (-128 to 127), as old tars
+        b[148:156] = b"%06o\0 " % sum(x - 256 if x > 127 else x for x in b)
+    else:
+        b[148:156] = b"%06o\0 " % sum(b)
     return bytes(b)
 
 
@@ -97,6 +102,49 @@ def test_each_member_is_read_from_its_own_headers(tmp_path):
     assert headers(outer, 1536, len(tar)) == headers(path)
 
 
+def test_long_links_pax_links_and_fields_filled_to_their_last_byte_are_read(tmp_path):
+    target = b"cat/" + b"t" * 120 + b".jpg"  # 128 bytes: too long for the 100-byte link field
+    full_name, full_prefix = b"n" * 96 + b".jpg", b"cat/" + b"p" * 151  # 100 and 155 bytes
+    full_link = b"cat/" + b"h" * 92 + b".jpg"  # 100 bytes: no NUL ends it
+    records = pax(linkpath="cat/é/a.jpg")
+    tar = (
+        # GNU long link: its data is the target, ended by its first NUL (padded with more)
+        header(b"././@LongLink", len(target) + 4, b"K")  # at 0, its data at 512
+        + blocks(target + bytes(4))
+        + header(b"cat/l.jpg", kind=b"2", link=target[:100])  # at 1024
+        + header(b"PaxHeaders/m", len(records), b"x")  # at 1536, records at 2048
+        + blocks(records)
+        + header(b"cat/m.jpg", kind=b"2", link=b"cat/a.jpg")  # at 2560: pax gives its link
+        # the name and prefix fields full, the 12 unused bytes after the prefix not zero
+        + header(full_name, 3, prefix=full_prefix, pad=b"X" * 12)  # at 3072
+        + blocks(b"abc")
+        + header(b"cat/h.jpg", kind=b"1", link=full_link)  # at 4096
+        # GNU base-256: 0x80, then the size in 11 big-endian bytes
+        + header(b"cat/b.jpg", size_field=b"\x80" + (3).to_bytes(11, "big"))  # at 4608
+        + blocks(b"def")
+        + header("cat/ü.jpg".encode(), signed=True)  # at 5632: its checksum summed signed
+        + END
+    )
+    path = tmp_path / "t.tar"
+    path.write_bytes(tar)
+    assert headers(path) == [
+        TarMember("cat/l.jpg", "link", 1536, 0, 0, target.decode(), 0),
+        TarMember("cat/m.jpg", "link", 3072, 0, 0, "cat/é/a.jpg", 1536),
+        TarMember((full_prefix + b"/" + full_name).decode(), "file", 3584, 3, 0, "", 3072),
+        TarMember("cat/h.jpg", "link", 4608, 0, 0, full_link.decode(), 4096),
+        TarMember("cat/b.jpg", "file", 5120, 3, 0, "", 4608),
+        TarMember("cat/ü.jpg", "file", 6144, 0, 0, "", 5632),
+    ]
+
+
+def test_a_long_name_header_of_exactly_1_mib_is_read_up_to_its_first_nul(tmp_path):
+    # 1 MiB is the most a long-name or pax header may hold; this one is the name, then NULs
+    payload = b"cat/a.jpg" + bytes((1 << 20) - 9)
+    path = tmp_path / "t.tar"
+    path.write_bytes(header(b"././@LongLink", 1 << 20, b"L") + payload + header(b"x", 0) + END)
+    assert headers(path) == [TarMember("cat/a.jpg", "file", (1 << 20) + 1024, 0, 0, "", 0)]
+
+
 def test_a_tar_ending_at_its_one_end_block_is_read(tmp_path):
     # tarfile reads a single zero block as the end as well; here it is the file's last 512
     # bytes, so the parser's read there is exactly one block long
@@ -147,6 +195,38 @@ TAR_REFUSALS = {
         lambda: header(b"x") + header(b"cat/a.jpg", mtime_field=b"later!\0\0\0\0\0\0") + END,
         None,
         "a damaged header at byte 512 (b'later!\\x00\\x00\\x00\\x00\\x00\\x00' is no number)",
+    ),
+    "a size that is no number": (
+        lambda: header(b"x") + header(b"cat/a.jpg", size_field=b"three\0\0\0\0\0\0\0") + END,
+        None,
+        "a damaged header at byte 512 (b'three\\x00\\x00\\x00\\x00\\x00\\x00\\x00' is no number)",
+    ),
+    "a negative size": (  # GNU base-256: 0xff, then 11 bytes of two's complement: -1
+        lambda: header(b"x") + header(b"cat/a.jpg", size_field=b"\xff" * 12) + END,
+        None,
+        "the header at byte 512 gives its member a negative size (-1 bytes)",
+    ),
+    "a pax size that is no number": (
+        lambda: header(b"p", 13, b"x") + blocks(pax(size="many")) + header(b"cat/a.jpg") + END,
+        None,
+        "a bad pax size at byte 1,024",
+    ),
+    "a pax record whose length is no number": (
+        lambda: header(b"p", 11, b"x") + blocks(b"ten path=a\n") + header(b"cat/a.jpg") + END,
+        None,
+        "a damaged pax header at byte 512",
+    ),
+    "a long name over 1 MiB": (
+        lambda: (
+            header(b"x")
+            + header(b"././@LongLink", (1 << 20) + 1, b"L")
+            + blocks(bytes((1 << 20) + 1))
+            + header(b"cat/a.jpg")
+            + END
+        ),
+        None,
+        "the GNU long-name header at byte 512 holds 1,048,577 bytes, more than the 1,048,576 "
+        "a name or pax header may",
     ),
     "a pax mtime that is no number": (
         lambda: header(b"p", 14, b"x") + blocks(pax(mtime="soon")) + header(b"cat/a.jpg") + END,
