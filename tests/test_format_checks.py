@@ -160,6 +160,8 @@ RECORDS = [
     ("the last record ending at the data file's end", [_record(0, 8, 8, 1)], 64, None, None),
     ("the last record one byte past it", [_record(0, 8, 8, 1)], 63, None,
      "record 0: record ends past the data file (63 bytes) (1 such records)"),
+    ("a later record one byte past it", [_record(0, 8, 8, 1), _record(64, 8, 8, 1)], 127, None,
+     "record 1: record ends past the data file (127 bytes) (1 such records)"),
     ("a record starting past the data file", [_record(128, 1, 1, 1)], 64, None,
      "record 0: record ends past the data file (64 bytes) (1 such records)"),
     ("records out of index order that do not overlap",
@@ -168,6 +170,11 @@ RECORDS = [
      [_record(128, 8, 8, 1), _record(0, 8, 8, 1), _record(64, 5, 13, 1)], 192, None,
      "record 0: record overlaps the one before it in the data file (1 such records)"),
     ("two records at one offset", [_record(0, 1, 1, 1), _record(0, 1, 1, 1)], 64, None,
+     "record 1: record overlaps the one before it in the data file (1 such records)"),
+    # 17 records (more than a sort's insertion-sort run), last to first in the file, the first
+    # two at one offset: the later of the two in the index is the one named.
+    ("two records at one offset among 17 out of order",
+     [_record(1024, 1, 1, 1)] + [_record(64 * (16 - i), 1, 1, 1) for i in range(16)], 1025, None,
      "record 1: record overlaps the one before it in the data file (1 such records)"),
     ("an offset one past a multiple of 64", [_record(65, 1, 1, 1)], 128, None,
      "record 0: offset not a multiple of 64 (1 such records)"),
@@ -266,6 +273,37 @@ def test_validate_records_wants_as_many_index_and_state_records_as_the_count(tmp
         with pytest.raises(CacheFormatError) as e:
             fmt.validate_records(files.manifest, index, state, files.paths_blob)
         assert str(e.value) == f"{where}: expected 2 records"
+
+
+def _far_records(tmp_path: Path, records: list[dict], data_size: int):
+    """The manifest, index and state of a cache whose data file is recorded as ``data_size``
+    bytes (beyond what a disk holds: the data file itself is left empty, never read here)."""
+    cache = write_cache(tmp_path / "c", records, data_size, data_file_size=0)
+    index = np.frombuffer((cache / f"index-{GEN}.bin").read_bytes(), fmt.INDEX_DTYPE)
+    state = np.frombuffer((cache / f"state-{GEN}.bin").read_bytes(), fmt.STATE_DTYPE)
+    return fmt.read_manifest(cache), index, state, (cache / f"paths-{GEN}.bin").read_bytes()
+
+
+def test_records_far_past_2_to_the_53_out_of_order_are_read_exactly(tmp_path):
+    # 2**60 + 64 and 2**60 are one float64 (its step there is 256): compared exactly, the
+    # record at 2**60 comes first and the two one-byte records do not overlap.
+    far = 1 << 60
+    records = [_record(far + 64, 1, 1, 1), _record(far, 1, 1, 1)]
+    fmt.validate_records(*_far_records(tmp_path, records, far + 65))
+
+
+def test_records_far_past_2_to_the_53_one_byte_into_the_next_are_refused(tmp_path):
+    # A 65-byte record at 2**54 ends at 2**54 + 65, which float64 rounds to 2**54 + 64 (its step
+    # there is 4), where the next record starts: exactly, they overlap by one byte.
+    far = 1 << 54
+    records = [_record(far, 5, 13, 1), _record(far + 64, 1, 1, 1)]
+    manifest, index, state, paths = _far_records(tmp_path, records, far + 65)
+    with pytest.raises(CacheFormatError) as e:
+        fmt.validate_records(manifest, index, state, paths)
+    assert str(e.value) == (
+        f"{manifest.file('index')}: record 1: record overlaps the one before it in the data file "
+        "(1 such records)"
+    )
 
 
 def test_validate_records_given_the_paths_file_s_size_checks_all_but_the_paths(tmp_path):
