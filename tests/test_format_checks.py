@@ -661,3 +661,16 @@ def test_a_fields_file_without_its_checksum_is_refused(tmp_path):
     assert _read_refusal(cache) == (
         "checksums missing or malformed (expected {fields, index, manifest, paths} CRC-32s)"
     )
+
+
+def test_a_fields_file_cut_short_is_refused_naming_the_fields_file(tmp_path):
+    blob = struct.pack("<Q", 0)  # starts[0] alone: one record needs two <u8 row numbers
+    cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
+    assert _refusal(cache) == f"{cache / f'fields-{GEN}.bin'}: field points: cut short"
+
+
+def test_a_fields_file_with_bytes_after_its_last_field_is_refused_naming_them(tmp_path):
+    # starts 0, 1, then one row of 2 <f4 (8 bytes, a multiple of 8: no padding), then 8 more
+    blob = struct.pack("<QQ", 0, 1) + struct.pack("<ff", 1.5, -2.0) + bytes(8)
+    cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
+    assert _refusal(cache) == (f"{cache / f'fields-{GEN}.bin'}: 8 bytes more than its fields hold")
