@@ -673,4 +673,4 @@ def test_a_fields_file_with_bytes_after_its_last_field_is_refused_naming_them(tm
     # starts 0, 1, then one row of 2 <f4 (8 bytes, a multiple of 8: no padding), then 8 more
     blob = struct.pack("<QQ", 0, 1) + struct.pack("<ff", 1.5, -2.0) + bytes(8)
     cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
-    assert _refusal(cache) == (f"{cache / f'fields-{GEN}.bin'}: 8 bytes more than its fields hold")
+    assert _refusal(cache) == f"{cache / f'fields-{GEN}.bin'}: 8 bytes more than its fields hold"
