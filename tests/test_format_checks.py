@@ -634,6 +634,7 @@ def test_a_field_s_rows_are_read_from_the_fields_file(tmp_path):
     cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
     files = fmt.open_cache(cache)
     assert files.manifest.fields == [{"name": "points", "dtype": "<f4", "shape": [-1, 2]}]
+    assert files.manifest.extra == {}  # "fields" is a key of the spec
     assert files.manifest.file_kinds == ("index", "state", "paths", "data", "fields")
     assert files.fields_blob == blob
     assert files.field_rows("points", 0).tolist() == [[1.5, -2.0], [3.0, 0.25]]
