@@ -161,6 +161,8 @@ RECORDS = [
     ("the last record ending at the data file's end", [_record(0, 8, 8, 1)], 64, None, None),
     ("the last record one byte past it", [_record(0, 8, 8, 1)], 63, None,
      "record 0: record ends past the data file (63 bytes) (1 such records)"),
+    ("a later record one byte past it", [_record(0, 8, 8, 1), _record(64, 8, 8, 1)], 127, None,
+     "record 1: record ends past the data file (127 bytes) (1 such records)"),
     ("a record starting past the data file", [_record(128, 1, 1, 1)], 64, None,
      "record 0: record ends past the data file (64 bytes) (1 such records)"),
     ("records out of index order that do not overlap",
@@ -169,6 +171,11 @@ RECORDS = [
      [_record(128, 8, 8, 1), _record(0, 8, 8, 1), _record(64, 5, 13, 1)], 192, None,
      "record 0: record overlaps the one before it in the data file (1 such records)"),
     ("two records at one offset", [_record(0, 1, 1, 1), _record(0, 1, 1, 1)], 64, None,
+     "record 1: record overlaps the one before it in the data file (1 such records)"),
+    # 17 records (more than a sort's insertion-sort run), last to first in the file, the first
+    # two at one offset: the later of the two in the index is the one named.
+    ("two records at one offset among 17 out of order",
+     [_record(1024, 1, 1, 1)] + [_record(64 * (16 - i), 1, 1, 1) for i in range(16)], 1025, None,
      "record 1: record overlaps the one before it in the data file (1 such records)"),
     ("an offset one past a multiple of 64", [_record(65, 1, 1, 1)], 128, None,
      "record 0: offset not a multiple of 64 (1 such records)"),
@@ -278,6 +285,37 @@ def test_validate_records_wants_as_many_index_and_state_records_as_the_count(tmp
         with pytest.raises(CacheFormatError) as e:
             fmt.validate_records(files.manifest, index, state, files.paths_blob)
         assert str(e.value) == f"{where}: expected 2 records"
+
+
+def _far_records(tmp_path: Path, records: list[dict], data_size: int):
+    """The manifest, index and state of a cache whose data file is recorded as ``data_size``
+    bytes (beyond what a disk holds: the data file itself is left empty, never read here)."""
+    cache = write_cache(tmp_path / "c", records, data_size, data_file_size=0)
+    index = np.frombuffer((cache / f"index-{GEN}.bin").read_bytes(), fmt.INDEX_DTYPE)
+    state = np.frombuffer((cache / f"state-{GEN}.bin").read_bytes(), fmt.STATE_DTYPE)
+    return fmt.read_manifest(cache), index, state, (cache / f"paths-{GEN}.bin").read_bytes()
+
+
+def test_records_far_past_2_to_the_53_out_of_order_are_read_exactly(tmp_path):
+    # 2**60 + 64 and 2**60 are one float64 (its step there is 256): compared exactly, the
+    # record at 2**60 comes first and the two one-byte records do not overlap.
+    far = 1 << 60
+    records = [_record(far + 64, 1, 1, 1), _record(far, 1, 1, 1)]
+    fmt.validate_records(*_far_records(tmp_path, records, far + 65))
+
+
+def test_records_far_past_2_to_the_53_one_byte_into_the_next_are_refused(tmp_path):
+    # A 65-byte record at 2**54 ends at 2**54 + 65, which float64 rounds to 2**54 + 64 (its step
+    # there is 4), where the next record starts: exactly, they overlap by one byte.
+    far = 1 << 54
+    records = [_record(far, 5, 13, 1), _record(far + 64, 1, 1, 1)]
+    manifest, index, state, paths = _far_records(tmp_path, records, far + 65)
+    with pytest.raises(CacheFormatError) as e:
+        fmt.validate_records(manifest, index, state, paths)
+    assert str(e.value) == (
+        f"{manifest.file('index')}: record 1: record overlaps the one before it in the data file "
+        "(1 such records)"
+    )
 
 
 def test_validate_records_given_the_paths_file_s_size_checks_all_but_the_paths(tmp_path):
@@ -608,6 +646,7 @@ def test_a_field_s_rows_are_read_from_the_fields_file(tmp_path):
     cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
     files = fmt.open_cache(cache)
     assert files.manifest.fields == [{"name": "points", "dtype": "<f4", "shape": [-1, 2]}]
+    assert files.manifest.extra == {}  # "fields" is a key of the spec
     assert files.manifest.file_kinds == ("index", "state", "paths", "data", "fields")
     assert files.fields_blob == blob
     assert files.field_rows("points", 0).tolist() == [[1.5, -2.0], [3.0, 0.25]]
@@ -635,3 +674,16 @@ def test_a_fields_file_without_its_checksum_is_refused(tmp_path):
     assert _read_refusal(cache) == (
         "checksums missing or malformed (expected {fields, index, manifest, paths} CRC-32s)"
     )
+
+
+def test_a_fields_file_cut_short_is_refused_naming_the_fields_file(tmp_path):
+    blob = struct.pack("<Q", 0)  # starts[0] alone: one record needs two <u8 row numbers
+    cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
+    assert _refusal(cache) == f"{cache / f'fields-{GEN}.bin'}: field points: cut short"
+
+
+def test_a_fields_file_with_bytes_after_its_last_field_is_refused_naming_them(tmp_path):
+    # starts 0, 1, then one row of 2 <f4 (8 bytes, a multiple of 8: no padding), then 8 more
+    blob = struct.pack("<QQ", 0, 1) + struct.pack("<ff", 1.5, -2.0) + bytes(8)
+    cache = _fields_cache(tmp_path, {"name": "points", "dtype": "<f4", "shape": [-1, 2]}, blob)
+    assert _refusal(cache) == f"{cache / f'fields-{GEN}.bin'}: 8 bytes more than its fields hold"
