@@ -255,6 +255,10 @@ def test_a_reader_s_data_file_never_gets_descriptor_0_its_folder_s_handle_does(s
         assert ds[0][0].shape == (6, 8, 3)  # maps the data file, opened now
         assert ds.reader.fd > 0
     finally:
+        # mmap keeps a dup of the data file's descriptor, which may be 0 now: the reader is
+        # freed before the standard input is put back, or freeing it later would close that.
+        del ds
+        gc.collect()
         os.dup2(saved, 0)
         os.close(saved)
 
