@@ -231,7 +231,7 @@ TAR_REFUSALS = {
     "a pax mtime that is no number": (
         lambda: header(b"p", 14, b"x") + blocks(pax(mtime="soon")) + header(b"cat/a.jpg") + END,
         None,
-        "a bad pax mtime at byte 1,536",
+        "a bad pax mtime at byte 1,024",
     ),
 }
 

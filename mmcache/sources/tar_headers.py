@@ -180,7 +180,7 @@ def _described(
         try:
             mtime_ns = round(float(pax["mtime"]) * 1e9)
         except ValueError:
-            raise broken(where, f"a bad pax mtime at byte {pos + 512:,}") from None
+            raise broken(where, f"a bad pax mtime at byte {pos:,}") from None
     return text, link_text, mtime_ns
 
 
