@@ -167,6 +167,21 @@ def test_a_record_cut_off_the_data_file_is_named_by_its_number_however_it_is_rea
         assert out.tobytes() == f.read(4)
 
 
+def test_a_data_file_truncated_before_the_first_read_is_named_with_the_size_checked(src, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(src, cache, workers=0)
+    size = _manifest(cache)["sizes"]["data"]
+    data = cache / _manifest(cache)["files"]["data"]
+    ds = MemmapImageDataset(cache)
+    os.truncate(data, size - 1)
+    expected = (
+        f"{data}: shorter than the {size} bytes checked at open: the file was truncated "
+        "since; rebuild the cache"
+    )
+    with pytest.raises(CacheFormatError, match=f"^{re.escape(expected)}$"):
+        ds[0]
+
+
 def test_the_mapping_holds_the_generation_s_bytes_not_those_a_writer_appends(src, tmp_path):
     """A writer appends past the records a generation publishes (and a stopped one's tail is
     cut off again): the mapping is the manifest's data size, and the file cut back to it is not
