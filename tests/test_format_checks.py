@@ -548,6 +548,8 @@ MANIFESTS = [
     ("no byte of path", _size("paths", 0), "paths file smaller than one byte per record"),
     ("fingerprints not an object", _set("fingerprints", []), "fingerprints must be an object"),
     ("options not an object", _set("options", None), "options must be an object"),
+    ("a source root of 4097 characters", _set("source", {"root": "r" * 4097, "kind": "folder"}),
+     "source root must be a non-empty path without NUL, at most 4096 long"),
     ("a skipped path of 4097 bytes", _set("skipped", [{"path": "p" * 4097, "reason": "r"}]),
      "skipped must be a list of {path, reason} (and integer size, mtime_ns, state)"),
     ("a warning's path of 4097 bytes", _set("warnings", [{"path": "p" * 4097, "reason": "r"}]),
