@@ -307,6 +307,20 @@ def test_bgr_caches_read_back_as_bgr(src, tmp_path):
     assert all(np.array_equal(a, b[..., ::-1]) for a, b in zip(bgr, rgb, strict=True))
 
 
+def test_a_manifest_that_records_no_colour_order_reads_as_rgb(src, tmp_path):
+    """The colour order's default is RGB, as the build's: a manifest written without the
+    option (by hand, or by another writer) reads its I420 records as the RGB cache does."""
+    build_cache(src, tmp_path / "rgb", workers=0, pixels="yuv420")
+    build_cache(src, tmp_path / "unsaid", workers=0, pixels="yuv420")
+    manifest = tmp_path / "unsaid" / fmt.MANIFEST_NAME
+    m = json.loads(manifest.read_text())
+    del m["options"]["color"]
+    manifest.write_text(json.dumps(m))
+    reseal(tmp_path / "unsaid")
+    rgb, unsaid = _images(tmp_path / "rgb"), _images(tmp_path / "unsaid")
+    assert all(np.array_equal(a, b) for a, b in zip(unsaid, rgb, strict=True))
+
+
 # BatchLoader ----------------------------------------------------------------------------------
 
 
