@@ -51,6 +51,13 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# Each a fresh process, in this order (``--skip`` leaves some out).
+TAR_BUILD = "build from the tar of tars"
+STEPS = ("plan", "build", "build again, unchanged", "info", "dataset open",
+         "first batch, 2 fork workers", "first batch, 2 spawn workers",
+         "one epoch, 2 fork workers", TAR_BUILD, "refresh, +0.1%", "verify")  # fmt: skip
+
+
 def child(step: str, source: str, cache: str) -> dict:
     """Run one step here; its seconds and, for the open, the bytes it holds per record."""
     from mmcache.cli import main
@@ -112,8 +119,10 @@ def run_step(step: str, source: Path, cache: Path, root: Path = ROOT) -> dict:
             "SCALE_MMCACHE": str(root),
         },
     )
-    stdout = proc.stdout.read() if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
+    with proc:  # (closes its pipe)
+        stdout = proc.stdout.read() if proc.stdout else ""
+        _, status, usage = os.wait4(proc.pid, 0)  # (its peak RSS, which Popen.wait drops)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
     wall = time.perf_counter() - t
     if status != 0:
         raise SystemExit(f"step {step!r} failed (status {status}): {stdout[-2000:]}")
@@ -204,6 +213,9 @@ def main() -> int:
         "steps that read a built cache with both, side by side, --repeat times each",
     )
     p.add_argument("--repeat", type=int, default=3, help="with --before: runs of each (median)")
+    p.add_argument("--skip", action="append", default=[], metavar="STEP",
+                   help="leave this step out (again for another): 'first batch, 2 spawn "
+                   "workers', ...; the two builds the last line compares cannot be")  # fmt: skip
     p.add_argument("--step", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -211,6 +223,9 @@ def main() -> int:
     if args.step:
         print(json.dumps(child(args.step, args.source, args.cache)))
         return 0
+    for name in args.skip:
+        if name not in STEPS or name in ("build", TAR_BUILD):
+            p.error(f"--skip {name!r}: not a step that can be left out (steps: {', '.join(STEPS)})")
 
     n = args.images
     work = Path(tempfile.mkdtemp(prefix="mmcache-scale-", dir=args.workdir))
@@ -221,19 +236,8 @@ def main() -> int:
         print(f"made {n:,} JPEGs of 32x24 in {min(args.classes, n):,} classes, as files and as a "
               f"tar of tars, in {time.perf_counter() - t:.1f} s ({work})")  # fmt: skip
         cache, tar_cache = work / "cache", work / "cache-tar"
-        steps = [
-            ("plan", folder, cache),
-            ("build", folder, cache),
-            ("build again, unchanged", folder, cache),
-            ("info", folder, cache),
-            ("dataset open", folder, cache),
-            ("first batch, 2 fork workers", folder, cache),
-            ("first batch, 2 spawn workers", folder, cache),
-            ("one epoch, 2 fork workers", folder, cache),
-            ("build from the tar of tars", outer, tar_cache),
-            ("refresh, +0.1%", folder, cache),
-            ("verify", folder, cache),
-        ]
+        steps = [(name, outer, tar_cache) if name == TAR_BUILD else (name, folder, cache)
+                 for name in STEPS if name not in args.skip]  # fmt: skip
         rows = []
         for name, source, dest in steps:
             if name.startswith("refresh"):
@@ -259,10 +263,11 @@ def main() -> int:
             print(f"{name:32s} {r['seconds']:8.2f} {r['wall']:9.2f} "
                   f"{r['peak_rss'] / 2**20:7.0f} MB  {target}")  # fmt: skip
         files = dict(rows)["build"]["seconds"]
-        tar = dict(rows)["build from the tar of tars"]["seconds"]
+        tar = dict(rows)[TAR_BUILD]["seconds"]
         print(f"build from the tar of tars / from the files: {files / tar:.2f}x the speed "
               f"(target >= 0.9x: {'met' if files / tar >= 0.9 else 'NOT met'})")  # fmt: skip
-        print(f"reproduce: python tools/scale.py --images {n} --classes {args.classes}")
+        skips = "".join(f" --skip '{name}'" for name in args.skip)
+        print(f"reproduce: python tools/scale.py --images {n} --classes {args.classes}{skips}")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
