@@ -20,13 +20,7 @@ import numpy as np
 import pytest
 from conftest import reference, wait_until, write_image
 
-from mmcache import (
-    CacheError,
-    CacheNotFoundError,
-    MemmapImageDataset,
-    build_cache,
-    verify_cache,
-)
+from mmcache import CacheError, CacheNotFoundError, build_cache, verify_cache
 from mmcache import format as fmt
 from mmcache._staleness import stale_reason
 
@@ -97,6 +91,8 @@ def source(tmp_path_factory) -> Source:
 def served_by(cache: Path, source: Source, allowed: set[str | None]) -> str | None:
     """Which version the cache serves (None: no cache), after checking every record's pixels
     against the reference, every checksum, and that the version is one of ``allowed``."""
+    from mmcache import MemmapImageDataset  # (imports torch: not at the plugin's load)
+
     try:
         ds = MemmapImageDataset(cache, on_stale="ignore", verify="first-read")
     except CacheNotFoundError:
@@ -259,6 +255,8 @@ def cache_file(cache: Path, kind: str) -> Path:
 
 def open_and_read_all(cache: Path) -> list[np.ndarray]:
     """What a training job does, with every check on; returns the images."""
+    from mmcache import MemmapImageDataset
+
     ds = MemmapImageDataset(cache, on_stale="ignore", verify="first-read")
     stale_reason(ds.reader.files)  # reads the manifest's source and skip entries
     return [ds[i][0] for i in range(len(ds))]

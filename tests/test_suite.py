@@ -55,9 +55,10 @@ def _inner_pytest(tmp_path: Path, ci: str | None, source: str = INNER, args: tup
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
+    # (hypothesis's plugin takes seconds to load in each process, and no inner test uses it)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", *args,
-         "test_inner.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+         "-q", "-n", "0", *args, "test_inner.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
