@@ -239,7 +239,9 @@ def test_the_ddp_example_builds_together_then_trains_and_resumes(tmp_path):
     args = ["--workdir", str(tmp_path / "work"), "--images", "32", "--epochs", "2"]
     args += ["--size", "32", "--batch-size", "4", "--checkpoint", str(tmp_path / "ckpt.pt")]
     script = str(ROOT / "tools" / "train_ddp.py")
-    run = torchrun(2, script, *args, "--save-every", "2", "--stop-after", "3")
+    # (ranks started as torchrun starts them: its own process, torch imported once more, is
+    # the other tests' here)
+    run = ranks(2, script, *args, "--save-every", "2", "--stop-after", "3")
     assert run.returncode == 0, run.stderr
     assert "train_ddp: 2 ranks (gloo, cpu), 4 batches of 4 per rank and epoch" in run.stdout
     assert "stopped after step 3" in run.stdout

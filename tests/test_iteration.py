@@ -5,12 +5,13 @@ error, and reads a shuffled order through a descriptor advised for random reads.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_folder
+from conftest import make_folder, wait_until
 
 from mmcache import BatchLoader, DecodeError, MemmapImageDataset, RandomResizedCrop, build_cache
 from mmcache import format as fmt
@@ -215,3 +216,125 @@ def test_without_the_advice_or_the_data_file_a_shuffled_order_uses_the_reader_s(
     monkeypatch.delattr(os, "posix_fadvise")
     assert random_reader(_Reader(data), order) == -1
     assert _descriptors() == before
+
+
+def test_a_resumed_iteration_starts_no_more_threads_than_the_batches_it_has_left(ds, monkeypatch):
+    import mmcache._iteration as iteration
+
+    made = []
+    monkeypatch.setattr(iteration.threading, "Thread", _recording(iteration.threading, made))
+    loader = BatchLoader(ds, 4, num_threads=4)
+    loader.load_state_dict({**loader.state_dict(), "batches": 2})  # of 3: one left
+    assert [len(labels) for _, labels in loader] == [2]
+    assert [t.name for t in made] == ["mmcache-BatchLoader-0"]
+
+
+def _recording(threading, made: list):
+    """A Thread class that appends each thread it makes to ``made``."""
+
+    class Recorded(threading.Thread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    return Recorded
+
+
+def test_while_batch_0_is_held_the_threads_fill_the_prefetch_batches_after_it(ds, monkeypatch):
+    # prefetch=3: batches 1 to 3 are filled ahead of the one held, and no more until the
+    # consumer asks for the next; then one more each time.
+    import mmcache._iteration as iteration
+
+    filled = []
+    real_fill = iteration.fill
+    monkeypatch.setattr(iteration, "fill", lambda job, slot, number, *a: filled.append(number)
+                        or real_fill(job, slot, number, *a))  # fmt: skip
+    it = iter(BatchLoader(ds, 1, num_threads=2, prefetch=3))
+    next(it)
+    wait_until(lambda: len(filled) >= 4, "batches 0 to 3 filled")
+    assert sorted(filled) == [0, 1, 2, 3]
+    next(it)
+    wait_until(lambda: len(filled) >= 5, "batch 4 filled")
+    assert sorted(filled) == [0, 1, 2, 3, 4]
+    assert len(list(it)) == 8 and sorted(filled) == list(range(10))
+
+
+def test_an_error_before_a_thread_takes_a_batch_is_raised_by_the_first_next(ds, monkeypatch):
+    import mmcache._iteration as iteration
+
+    def no_scratch():
+        raise MemoryError("no scratch buffers")
+
+    monkeypatch.setattr(iteration, "Scratch", no_scratch)
+    it = iter(BatchLoader(ds, 4, num_threads=1))
+    raised: list[BaseException] = []
+
+    def consume():
+        try:
+            next(it)
+        except BaseException as e:
+            raised.append(e)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(60)  # (it would wait for ever for batch 0 if the error were not its)
+    assert [type(e) for e in raised] == [MemoryError] and str(raised[0]) == "no scratch buffers"
+
+
+def test_stop_run_by_a_filling_thread_joins_the_others_but_not_itself():
+    # The finalizer that stops an iteration runs wherever the garbage collector finds it
+    # unreachable: possibly in one of its own filling threads.
+    from types import SimpleNamespace
+
+    from mmcache._iteration import Shared, stop
+
+    shared = Shared(0)
+    other = threading.Thread(target=lambda: None)
+    other.start()
+    errors = []
+
+    def in_a_filling_thread():
+        try:
+            job = SimpleNamespace(read_ahead=None, fd=-1)
+            stop(shared, [threading.current_thread(), other], job)
+        except BaseException as e:
+            errors.append(e)
+
+    me = threading.Thread(target=in_a_filling_thread)
+    me.start()
+    me.join(60)
+    assert errors == [] and shared.stop and not other.is_alive()
+
+
+def test_a_sampler_s_read_ahead_is_told_each_batch_s_first_and_last_position(ds):
+    calls = []
+
+    class ReadAhead:
+        def reached(self, position):
+            calls.append(("reached", position))
+
+        def wait(self, position):
+            calls.append(("wait", position))
+
+        def close(self):
+            calls.append(("close",))
+
+    class Sampler:
+        order = [9, 0, 8, 1, 7, 2, 6, 3, 5, 4]
+
+        def __len__(self):
+            return len(self.order)
+
+        def __iter__(self):
+            return iter(self.order)
+
+        def take_epoch(self):
+            return self.order, ReadAhead()
+
+    loader = BatchLoader(ds, 4, num_threads=1, sampler=Sampler())
+    assert [labels.tolist() for _, labels in loader] == [[0] * 4, [0] * 4, [0] * 2]
+    told = [(what, position) for what, position in calls[:-1]]
+    # batch k: its first position reached and waited for, then its last
+    assert told == [(what, p) for first, last in ((0, 3), (4, 7), (8, 9)) for p in (first, last)
+                    for what in ("reached", "wait")]  # fmt: skip
+    assert calls[-1] == ("close",)  # once, when the iteration ends
