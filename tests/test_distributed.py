@@ -97,10 +97,7 @@ def test_two_ranks_build_what_one_process_builds(source, tmp_path):
     assert "41 images in 3 classes" in run.stdout and "1 skipped" in run.stdout
     build_cache(source, tmp_path / "c1", workers=1, distributed=False)
     assert records(tmp_path / "c2") == records(tmp_path / "c1")
-
-    again = ranks(2, "-m", "mmcache", "build", str(source), str(tmp_path / "c2"))
-    assert again.returncode == 0, again.stderr
-    assert "up to date" in again.stdout
+    # (ranks finding their cache up to date: the DDP example's resumed run below)
 
 
 def test_three_ranks_refresh_an_old_cache_as_one_process_does_with_overflow(
