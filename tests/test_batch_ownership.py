@@ -85,10 +85,17 @@ def test_a_validation_loop_that_accumulates_labels_gets_the_right_ones(caches):
     assert torch.cat(labels).tolist() == ds.targets
 
 
-@pytest.mark.parametrize("normalize", [None, ((0.5,) * 3, (0.2,) * 3)], ids=["uint8", "floats"])
-def test_a_loop_that_drops_each_batch_reuses_the_ring(caches, normalize):
+FLOATS = ((0.5,) * 3, (0.2,) * 3)
+
+
+@pytest.mark.parametrize(
+    "normalize, channels_last",
+    [(None, False), (FLOATS, False), (FLOATS, True)],
+    ids=["uint8", "floats", "floats-channels-last"],
+)
+def test_a_loop_that_drops_each_batch_reuses_the_ring(caches, normalize, channels_last):
     loader = BatchLoader(MemmapImageDataset(caches / "rgb"), 2, crop=RandomResizedCrop(16),
-                         normalize=normalize)  # fmt: skip
+                         normalize=normalize, channels_last=channels_last)  # fmt: skip
     pointers = {images.data_ptr() for images, _ in loader}
     assert len(pointers) <= loader.prefetch + 2  # no buffer made per batch
 

@@ -97,6 +97,20 @@ def test_each_view_is_its_returned_box_and_flip_of_the_record(caches, pixels, re
     assert 0 < flipped < 5 * N  # each view's flip is drawn
 
 
+def test_without_flips_each_view_s_returned_flip_is_0_and_its_pixels_are_unmirrored(caches):
+    ds = MemmapImageDataset(caches / "rgb")
+    views = views_of()
+    loader = BatchLoader(ds, 4, sampler=range(N), views=views, flip=False, seed=3,
+                         return_params=True)  # fmt: skip
+    transform = MultiCrop(views)
+    for step, (images, params, labels) in enumerate(loader):
+        assert all(p[:, 4].tolist() == [0] * len(labels) for p in params)
+        for j in range(len(labels)):
+            rows = [p[j].tolist() for p in params]
+            for got, want in zip(images, transform.apply(ds.read(step * 4 + j), rows), strict=True):
+                assert np.array_equal(got[j].numpy(), want)
+
+
 def test_multicrop_draws_flips_only_when_asked_and_returns_params_only_when_asked():
     img = np.random.default_rng(0).integers(0, 256, (40, 48, 3), np.uint8)
     torch.manual_seed(0)
