@@ -424,8 +424,9 @@ def test_normalised_batches_on_the_cpu(ds):
             assert torch.allclose(x.double(), want, atol=tolerance)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_normalised_batches_are_bit_for_bit_the_formula_in_their_dtype(ds, dtype):
+def test_normalised_batches_are_bit_for_bit_the_formula_in_their_dtype(ds, dtype, channels_last):
     """``(x - 255 mean) / (255 std)`` in the batch's dtype, the constants scaled in float64 and
     rounded to it once, against numpy; mean and std given in any shape of 3 values (a (1, 3)
     float32 array, a (3, 1, 1) tensor as torchvision code keeps them)."""
@@ -433,13 +434,16 @@ def test_normalised_batches_are_bit_for_bit_the_formula_in_their_dtype(ds, dtype
     std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
     crop = CenterResizedCrop(32)
     plain = BatchLoader(ds, 5, shuffle=False, crop=crop)
-    normed = BatchLoader(ds, 5, shuffle=False, crop=crop, normalize=(mean, std), dtype=dtype)
+    normed = BatchLoader(ds, 5, shuffle=False, crop=crop, normalize=(mean, std), dtype=dtype,
+                         channels_last=channels_last)  # fmt: skip
     as_np = np.float32 if dtype == torch.float32 else np.float64
     m = (mean.astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
     s = (std.numpy().astype(np.float64).reshape(1, 3, 1, 1) * 255).astype(as_np)
     for (u8, _), (x, _) in zip(epoch(plain), epoch(normed), strict=True):
         want = (u8.numpy().transpose(0, 3, 1, 2).astype(as_np) - m) / s
         assert x.dtype == dtype and np.array_equal(x.numpy(), want)
+        assert x.is_contiguous(memory_format=torch.channels_last if channels_last else
+                               torch.contiguous_format)  # fmt: skip
 
 
 THREE = (0.5, 0.5, 0.5)
