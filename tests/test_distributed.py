@@ -211,7 +211,7 @@ dist.init_process_group("gloo")
 report = mmcache.build_cache(sys.argv[1], sys.argv[2], workers=1)
 # one write of the whole line: the ranks share a stdout (print writes the newline apart)
 line = {"rank": dist.get_rank(), "images": report.images, "calls": calls}
-sys.stdout.write(json.dumps(line) + "\n")
+sys.stdout.write(json.dumps(line) + "\\n")
 sys.stdout.flush()
 dist.destroy_process_group()
 """
