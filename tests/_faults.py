@@ -37,7 +37,7 @@ def pytest_xdist_auto_num_workers(config):
     """No workers (one process) when the tally is to be written: each worker's session would
     write only its own counts, over the others'. Else one more worker than cores: the tests
     wait on their child processes, servers and timeouts, and the extra worker fills those
-    waits (2 cores here: 5:41 with 3 workers, 6:03 with 2, docs/architecture.md)."""
+    waits (measured: docs/architecture.md, the tests row)."""
     if os.environ.get("MMCACHE_FAULTS_REPORT"):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

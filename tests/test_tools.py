@@ -49,7 +49,7 @@ SMOKE = [
 def test_the_tool_runs_at_a_tiny_size(tool, args, expected, tmp_path, monkeypatch, capfd):
     # As ``python tools/TOOL ARGS`` from another folder, in this process: runpy runs the file as
     # __main__, so what the tool does when started is what runs, without a second interpreter
-    # importing torch (seconds each, a fifth of this file's time). What a tool changes in the
+    # importing torch (docs/architecture.md, the tests row). What a tool changes in the
     # process is put back: the working folder, the environment, torch's thread count.
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
