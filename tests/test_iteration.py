@@ -79,13 +79,7 @@ def test_an_iteration_starts_no_more_threads_than_batches_to_fill(
     import mmcache._iteration as iteration
 
     made = []
-
-    class Recorded(iteration.threading.Thread):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(iteration.threading, "Thread", Recorded)
+    monkeypatch.setattr(iteration.threading, "Thread", _recording(iteration.threading, made))
     sampler = list(range(min(batches * 4, 10)))
     it = iter(BatchLoader(ds, 4, num_threads=threads, sampler=sampler))
     assert [t.name for t in made] == [f"mmcache-BatchLoader-{k}" for k in range(started)]
